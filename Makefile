@@ -8,7 +8,7 @@ CONFIG ?= config.yaml
 DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench lint typecheck clean models
+.PHONY: setup serve test bench bench-deps lint typecheck clean models
 
 setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
 
@@ -35,8 +35,11 @@ serve: setup  ## start the router on $(CONFIG)
 test: setup  ## run the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup  ## run the benchmarks and write bench/results/latest.md
-	$(PY) -m bench
+bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-deps: | $(VENV)/bin/python  ## wrk + nginx-light via apt when missing (never fails: the bench falls back)
+	$(PY) -m bench.deps --install
 
 lint:
 	$(VENV)/bin/ruff check router procman modelserver tests bench
