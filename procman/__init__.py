@@ -1,0 +1,59 @@
+"""procman: supervised backend processes that recover by themselves.
+
+A generic library: it spawns commands into their own process group, waits for their
+health path to answer 200, watches them (exit at once, hangs by failed probes), stops
+them (SIGTERM, bounded wait, SIGKILL, reap) and relaunches them with a backoff. It knows
+nothing of the HTTP routes it fronts nor of what the processes compute.
+"""
+
+from __future__ import annotations
+
+from procman.address import Address, AddressAllocator
+from procman.backend import FAILURE_REASONS, Backend, Lease, StartInterrupted
+from procman.errors import (
+    BackendClosed,
+    BackendUnavailable,
+    InBackoff,
+    InvalidTransition,
+    ProcmanError,
+    StartFailed,
+    StartTimeout,
+)
+from procman.logbuffer import LogBuffer
+from procman.manager import ProcessManager
+from procman.policy import RestartPolicy, backoff_delay
+from procman.prober import HttpProber, Prober
+from procman.runtime import Listener
+from procman.spawner import ProcessHandle, Spawner, SubprocessSpawner
+from procman.spec import BackendSpec, FrozenEnv
+from procman.states import ALLOWED, State
+
+__all__ = [
+    "ALLOWED",
+    "FAILURE_REASONS",
+    "Address",
+    "AddressAllocator",
+    "Backend",
+    "BackendClosed",
+    "BackendSpec",
+    "BackendUnavailable",
+    "FrozenEnv",
+    "HttpProber",
+    "InBackoff",
+    "InvalidTransition",
+    "Lease",
+    "Listener",
+    "LogBuffer",
+    "ProcessHandle",
+    "ProcessManager",
+    "Prober",
+    "ProcmanError",
+    "RestartPolicy",
+    "Spawner",
+    "StartFailed",
+    "StartInterrupted",
+    "StartTimeout",
+    "State",
+    "SubprocessSpawner",
+    "backoff_delay",
+]

@@ -1,0 +1,87 @@
+"""The last lines a backend printed (stdout and stderr merged), kept in memory and on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TextIO
+
+__all__ = ["LogBuffer"]
+
+log = logging.getLogger(__name__)
+
+FOLLOW_QUEUE_LINES = 10_000
+
+
+class LogBuffer:
+    """A ring buffer of the last ``max_lines`` lines, also appended to ``path`` when given.
+
+    ``total`` counts every line ever appended, so ``since(mark)`` returns what one process
+    printed even when older processes of the same backend wrote to the same buffer.
+    """
+
+    def __init__(self, path: Path | None = None, max_lines: int = 1000) -> None:
+        self.path = path
+        self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
+        self._followers: set[asyncio.Queue[str]] = set()
+        self._file: TextIO | None = None
+        self.total = 0
+
+    def append(self, line: str) -> None:
+        """One line of output (without its newline)."""
+        self._lines.append(line)
+        self.total += 1
+        self._write(line)
+        for queue in self._followers:
+            with contextlib.suppress(asyncio.QueueFull):  # a follower that does not read loses lines
+                queue.put_nowait(line)
+
+    def note(self, text: str) -> None:
+        """A supervisor remark (spawned, exited) for the log file only, not the child's output."""
+        self._write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} procman: {text}")
+
+    def tail(self, n: int = 100) -> list[str]:
+        """The last ``n`` lines."""
+        if n <= 0:
+            return []
+        return list(self._lines)[-n:]
+
+    def since(self, mark: int, n: int = 20) -> list[str]:
+        """At most the last ``n`` of the lines appended after ``total`` was ``mark``."""
+        fresh = min(self.total - mark, len(self._lines))
+        return self.tail(min(fresh, n))
+
+    async def follow(self, tail: int | None = None) -> AsyncIterator[str]:
+        """The buffered lines (the last ``tail`` of them when given), then live lines as they come."""
+        queue: asyncio.Queue[str] = asyncio.Queue(FOLLOW_QUEUE_LINES)
+        self._followers.add(queue)
+        try:
+            for line in self.tail(len(self._lines) if tail is None else tail):
+                yield line
+            while True:
+                yield await queue.get()
+        finally:
+            self._followers.discard(queue)
+
+    def _write(self, line: str) -> None:
+        if self.path is None:
+            return
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8", errors="replace", buffering=1)
+            self._file.write(line + "\n")
+        except OSError as exc:
+            log.warning("cannot write log %s: %s; keeping lines in memory only", self.path, exc)
+            self.path = None
+
+    def close(self) -> None:
+        """Close the log file; later lines reopen it."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,88 @@
+"""Asking a backend whether it is ready: one ``GET <health_path>``, 200 or not.
+
+The real prober speaks just enough HTTP/1.1 over an asyncio stream (Unix socket or TCP,
+TLS for an ``https`` remote) to read the status line; it needs no client session to keep
+or close, and a hung server costs one bounded timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from procman.address import Address
+
+__all__ = ["HttpProber", "Prober"]
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 65536
+
+
+class Prober(Protocol):
+    """Health checks; must never raise for an unhealthy or unreachable backend, only return False."""
+
+    async def probe(self, address: Address, path: str, timeout_s: float) -> bool: ...
+
+
+class HttpProber:
+    """``GET path`` on the backend; True only for a 200 within ``timeout_s``."""
+
+    async def probe(self, address: Address, path: str, timeout_s: float) -> bool:
+        try:
+            status = await asyncio.wait_for(self.status(address, path), timeout_s)
+        except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
+            log.debug("probe %s%s failed: %s", address, path, exc or type(exc).__name__)
+            return False
+        return status == 200
+
+    async def status(self, address: Address, path: str) -> int:
+        """The HTTP status of ``GET path``; raises OSError/ValueError when there is no answer."""
+        reader, writer, host, prefix = await _connect(address)
+        try:
+            request = f"GET {prefix}{path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: procman\r\nConnection: close\r\n\r\n"
+            writer.write(request.encode("latin-1"))
+            await writer.drain()
+            status = _status_of(await reader.readline())
+            await _skip_rest(reader)  # read the answer before closing: a server must not see a reset
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        return status
+
+
+def _status_of(line: bytes) -> int:
+    parts = line.split()
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP status line: {line[:80]!r}")
+    return int(parts[1])
+
+
+async def _skip_rest(reader: asyncio.StreamReader) -> None:
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    if length:
+        await reader.read(min(length, MAX_BODY_BYTES))
+
+
+async def _connect(address: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, str]:
+    if address.url is not None:
+        url = urlsplit(address.url)
+        secure = url.scheme == "https"
+        port = url.port or (443 if secure else 80)
+        context = ssl.create_default_context() if secure else None
+        reader, writer = await asyncio.open_connection(url.hostname, port, ssl=context)
+        return reader, writer, url.netloc, url.path.rstrip("/")
+    if address.kind == "uds":
+        reader, writer = await asyncio.open_unix_connection(address.path)
+        return reader, writer, "localhost", ""
+    reader, writer = await asyncio.open_connection(address.host, address.port)
+    return reader, writer, f"{address.host}:{address.port}", ""

@@ -1,0 +1,238 @@
+"""The mechanics of one backend process: spawn, wait until ready, watch, terminate.
+
+These functions change no backend state; :mod:`procman.backend` calls them and owns the
+state machine. Every wait goes through the runtime's clock and sleep, so unit tests drive
+them with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from procman.address import Address, is_address_clash
+from procman.errors import BackendUnavailable, StartFailed, StartTimeout
+from procman.logbuffer import LogBuffer
+from procman.runtime import Runtime
+from procman.spawner import ProcessHandle
+from procman.spec import BackendSpec, substitute
+
+__all__ = ["Aborted", "Running", "child_command", "kill_now", "launch", "terminate", "watch"]
+
+log = logging.getLogger(__name__)
+
+POLL_FIRST_S = 0.02  # readiness polling starts here and doubles...
+POLL_MAX_S = 0.5  # ...up to this
+CLASH_RETRIES = 5  # ports tried when the child reports its port taken
+KILL_REAP_S = 5.0  # how long a SIGKILLed process may take to be reaped
+TAIL_LINES = 20  # log lines quoted in a failed start
+
+
+@dataclass(slots=True)
+class Running:
+    """A spawned process (or a reachable remote) and the task that completes when it exits."""
+
+    address: Address
+    handle: ProcessHandle | None
+    exited: asyncio.Future[Any]
+    log_mark: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.handle.pid if self.handle is not None else None
+
+    @property
+    def exit_code(self) -> int | None:
+        if self.exited.done() and not self.exited.cancelled() and self.exited.exception() is None:
+            return int(self.exited.result())
+        return None
+
+
+class Aborted(Exception):
+    """A stop interrupted the start; ``running`` is the still-alive process to terminate."""
+
+    def __init__(self, running: Running) -> None:
+        super().__init__("start interrupted")
+        self.running = running
+
+
+async def launch(rt: Runtime, spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event) -> Running:
+    """Spawn and wait for 200 on the health path; a clashing TCP port is retried on the next one.
+
+    Raises StartFailed / StartTimeout (the process is already gone), BackendUnavailable for
+    a remote that does not answer or no free address, Aborted when ``abort`` is set.
+    """
+    if spec.remote:
+        return await _reach_remote(rt, spec)
+    for _ in range(CLASH_RETRIES):
+        address = rt.allocator.allocate(spec.name, spec.transport)
+        running: Running | None = None
+        try:
+            running = await _spawn(rt, spec, address, logs)
+            await _wait_ready(rt, spec, running, logs, abort)
+            return running
+        except StartFailed as exc:  # the process is gone already
+            rt.allocator.release(address)
+            if not (address.kind == "tcp" and type(exc) is StartFailed and is_address_clash(exc.log_tail)):
+                raise
+            log.warning("%s: port %s was taken at start; trying the next one", spec.name, address.port)
+        except Aborted:
+            raise  # the backend terminates the live process (STARTING -> STOPPING) and releases its address
+        except BaseException:  # cancelled: never leave the child behind
+            kill_now(running)
+            rt.allocator.release(address)
+            raise
+    raise StartFailed(f"{spec.name}: {CLASH_RETRIES} ports in a row were taken; widen router.port_range")
+
+
+async def _reach_remote(rt: Runtime, spec: BackendSpec) -> Running:
+    assert spec.url is not None
+    address = Address(kind="tcp", url=spec.url)
+    if not await rt.prober.probe(address, spec.health_path, spec.health_timeout_s):
+        raise BackendUnavailable(
+            f"{spec.name}: remote {address.base_url}{spec.health_path} did not answer 200 within "
+            f"{spec.health_timeout_s:g}s; check that the server is up and the url is right"
+        )
+    return Running(address=address, handle=None, exited=asyncio.get_running_loop().create_future())
+
+
+def child_command(spec: BackendSpec, address: Address) -> tuple[list[str], dict[str, str]]:
+    """argv and the full environment with ``${PORT}`` / ``${SOCKET}`` / ``${HOST}`` filled in."""
+    values = {"${HOST}": address.host, "${PORT}": str(address.port or ""), "${SOCKET}": address.path or ""}
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a Python child's last words must reach the log before it dies
+    env.update({key: substitute(value, values) for key, value in spec.env.items()})
+    return [substitute(part, values) for part in spec.argv or ()], env
+
+
+async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuffer) -> Running:
+    argv, env = child_command(spec, address)
+    mark = logs.total
+    try:
+        handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append)
+    except OSError as exc:
+        raise StartFailed(f"{spec.name}: cannot run {argv[0]!r}: {exc.strerror or exc}") from None
+    log.info("spawned %s pid=%d", spec.name, handle.pid)
+    log.debug("%s argv=%s address=%s", spec.name, argv, address)
+    logs.note(f"spawned pid={handle.pid} address={address} argv={argv}")
+    return Running(address=address, handle=handle, exited=asyncio.ensure_future(handle.wait()), log_mark=mark)
+
+
+async def _first(futures: Iterable[asyncio.Future[Any]]) -> None:
+    await asyncio.wait(set(futures), return_when=asyncio.FIRST_COMPLETED)
+
+
+async def _wait_ready(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer, abort: asyncio.Event) -> None:
+    deadline = rt.clock() + spec.startup_timeout_s
+    delay = POLL_FIRST_S
+    aborted = asyncio.ensure_future(abort.wait())
+    pending: list[asyncio.Future[Any]] = [aborted]
+    try:
+        while True:
+            remaining = deadline - rt.clock()
+            timeout_s = max(min(spec.health_timeout_s, remaining), 0.01)
+            probe = asyncio.ensure_future(rt.prober.probe(running.address, spec.health_path, timeout_s))
+            pending.append(probe)
+            await _first((probe, running.exited, aborted))
+            _check_alive(spec, running, logs, aborted)
+            if _probe_ok(spec, probe):
+                return
+            if deadline - rt.clock() <= 0:
+                raise _timeout(spec, running, logs)
+            timer = asyncio.ensure_future(rt.sleep(min(delay, deadline - rt.clock())))
+            pending[1:] = [timer]
+            await _first((timer, running.exited, aborted))
+            _check_alive(spec, running, logs, aborted)
+            delay = min(delay * 2, POLL_MAX_S)
+    except StartTimeout:
+        await terminate(rt, spec, running, logs)
+        raise
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: asyncio.Future[Any]) -> None:
+    if running.exited.done():
+        code = running.exit_code
+        tail = logs.since(running.log_mark, TAIL_LINES)
+        raise StartFailed(_quote(f"{spec.name} exited with code {code} while starting", tail), code, tail)
+    if aborted.done():
+        raise Aborted(running)
+
+
+def _probe_ok(spec: BackendSpec, probe: asyncio.Future[Any]) -> bool:
+    if probe.cancelled():
+        return False
+    if (error := probe.exception()) is not None:
+        log.error("%s: the prober raised %r; counting it as a failed probe", spec.name, error)
+        return False
+    return bool(probe.result())
+
+
+def _timeout(spec: BackendSpec, running: Running, logs: LogBuffer) -> StartTimeout:
+    tail = logs.since(running.log_mark, TAIL_LINES)
+    limit = f"startup_timeout_s={spec.startup_timeout_s:g}"
+    message = f"{spec.name} did not answer 200 on {spec.health_path} within {limit}"
+    return StartTimeout(_quote(message, tail), None, tail)
+
+
+def _quote(message: str, tail: list[str]) -> str:
+    if not tail:
+        return message + " (it printed nothing)"
+    return message + "; last log lines:\n" + "\n".join(tail)
+
+
+async def watch(rt: Runtime, spec: BackendSpec, running: Running) -> Literal["crash", "hang"]:
+    """Return as soon as the process exits ("crash") or fails ``health_failures`` probes in a row ("hang")."""
+    failed = 0
+    while True:
+        if await rt.wait_done(running.exited, spec.health_interval_s):
+            return "crash"
+        probe = asyncio.ensure_future(rt.prober.probe(running.address, spec.health_path, spec.health_timeout_s))
+        try:
+            await _first((probe, running.exited))
+        finally:
+            probe.cancel()
+        if running.exited.done():
+            return "crash"
+        failed = 0 if _probe_ok(spec, probe) else failed + 1
+        if failed:
+            log.warning("%s health probe failed (%d of %d)", spec.name, failed, spec.health_failures)
+        if failed >= spec.health_failures:
+            return "hang"
+
+
+async def terminate(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
+    """SIGTERM the group, wait ``stop_timeout_s``, SIGKILL the group, reap. Returns the exit code."""
+    handle = running.handle
+    if handle is None:
+        running.exited.cancel()
+        return None
+    if not running.exited.done():
+        handle.signal_group(signal.SIGTERM)
+        if not await rt.wait_done(running.exited, spec.stop_timeout_s):
+            log.warning(
+                "%s pid=%d still running %gs after SIGTERM; sending SIGKILL", spec.name, handle.pid, spec.stop_timeout_s
+            )
+            handle.signal_group(signal.SIGKILL)
+            if not await rt.wait_done(running.exited, KILL_REAP_S):
+                log.error("%s pid=%d survived SIGKILL for %gs", spec.name, handle.pid, KILL_REAP_S)
+    handle.signal_group(signal.SIGKILL)  # whatever it left behind in its process group
+    code = running.exit_code
+    if logs is not None:
+        logs.note(f"pid={handle.pid} exited with code {code}")
+    return code
+
+
+def kill_now(running: Running | None) -> None:
+    """SIGKILL the group at once (last resort when a bounded shutdown ran out of time)."""
+    if running is not None and running.handle is not None:
+        with contextlib.suppress(ProcessLookupError):
+            running.handle.signal_group(signal.SIGKILL)

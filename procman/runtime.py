@@ -1,0 +1,84 @@
+"""The services every backend of one manager shares: spawner, prober, clock, addresses, hooks.
+
+Injecting them (instead of calling ``time`` and ``subprocess`` directly) is what lets the
+state machine run under a fake spawner and a fake clock in unit tests, with no sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from procman.address import AddressAllocator
+from procman.prober import Prober
+from procman.spawner import Spawner
+from procman.states import State
+
+if TYPE_CHECKING:
+    from procman.backend import Backend
+
+__all__ = ["Listener", "Runtime", "Sleep", "wait_done"]
+
+log = logging.getLogger(__name__)
+
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+class Listener(Protocol):
+    """Observer of backends (metrics, logging). Every method is optional; errors are logged, not raised."""
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None: ...
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        """A start attempt ended; reason: cold, crash, fatal, hang, reload, manual."""
+        ...
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        """A running backend is being replaced (crash, hang, fatal, manual)."""
+        ...
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        """A backend was stopped on purpose (idle, unload, reload, shutdown, evict...)."""
+        ...
+
+
+@dataclass(slots=True)
+class Runtime:
+    allocator: AddressAllocator
+    spawner: Spawner
+    prober: Prober
+    clock: Callable[[], float]
+    sleep: Sleep
+    log_dir: Path
+    listener: Listener | None = None
+    before_start: Callable[[Backend], Awaitable[None]] | None = None
+    log_lines: int = 1000
+
+    def notify(self, method: str, *args: object) -> None:
+        """Call ``listener.<method>(*args)`` when the listener has it; a failing listener is only logged."""
+        callback = getattr(self.listener, method, None)
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("listener %s failed", method)
+
+    async def wait_done(self, future: asyncio.Future[Any], timeout_s: float) -> bool:
+        """Whether ``future`` finished within ``timeout_s`` of this runtime's clock (it is never cancelled)."""
+        return await wait_done(future, timeout_s, self.sleep)
+
+
+async def wait_done(future: asyncio.Future[Any], timeout_s: float, sleep: Sleep) -> bool:
+    if future.done():
+        return True
+    timer = asyncio.ensure_future(sleep(max(timeout_s, 0.0)))
+    try:
+        await asyncio.wait({future, timer}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        timer.cancel()
+    return future.done()

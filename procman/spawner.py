@@ -1,0 +1,160 @@
+"""The OS boundary: starting a process in its own group and reading its output line by line.
+
+The real :class:`SubprocessSpawner` puts every child in a new session (its own process
+group, so a stop can signal the whole group) and, on Linux, sets ``PR_SET_PDEATHSIG`` to
+SIGKILL so the child dies with its supervisor even when that one is killed with SIGKILL.
+The death signal fires when the *thread* that forked exits: spawn from the event-loop
+thread (asyncio and uvloop both fork there), never from a short-lived worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+__all__ = ["LineCallback", "ProcessHandle", "Spawner", "SubprocessHandle", "SubprocessSpawner"]
+
+log = logging.getLogger(__name__)
+
+LineCallback = Callable[[str], None]
+
+PR_SET_PDEATHSIG = 1
+READ_CHUNK_BYTES = 65536
+MAX_LINE_BYTES = 16384
+#: After the process exits, how long its last output may take to arrive through the pipe.
+OUTPUT_DRAIN_S = 1.0
+
+
+class ProcessHandle(Protocol):
+    """A spawned process, as the backend sees it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int:
+        """Wait for the exit (reaping it) and return the exit code; negative = killed by that signal."""
+        ...
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process group; a group that is already gone is not an error."""
+        ...
+
+
+class Spawner(Protocol):
+    """Starts processes. ``on_line`` receives every line of merged stdout/stderr."""
+
+    async def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback
+    ) -> ProcessHandle:
+        """Start ``argv``; raises OSError when it cannot be executed."""
+        ...
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.warning("prctl is unavailable: children will not die with the router on SIGKILL")
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with(parent_pid: int) -> Callable[[], None] | None:
+    """The child-side setup: SIGKILL when the parent dies, and exit if it is already dead."""
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+
+    def setup() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return setup
+
+
+class SubprocessSpawner:
+    """Spawns real processes with asyncio (or uvloop) subprocess support."""
+
+    async def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback
+    ) -> SubprocessHandle:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
+        return SubprocessHandle(proc, on_line)
+
+
+class SubprocessHandle:
+    """A real child process; its output is pumped into ``on_line`` by a task of its own."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, on_line: LineCallback) -> None:
+        self._proc = proc
+        assert proc.stdout is not None
+        self._pump = asyncio.get_running_loop().create_task(_pump_lines(proc.stdout, on_line))
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        code = await self._proc.wait()
+        if not self._pump.done():
+            # the last lines are still in the pipe; a grandchild holding it open must not block us
+            await asyncio.wait({self._pump}, timeout=OUTPUT_DRAIN_S)
+            self._pump.cancel()
+        transport = getattr(self._proc, "_transport", None)
+        if transport is not None:
+            transport.close()  # release the pipes now rather than when the loop is gone
+        return code
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # gone (or its group id reused)
+            os.killpg(self._proc.pid, sig)
+
+
+async def _pump_lines(stream: asyncio.StreamReader, on_line: LineCallback) -> None:
+    """Split the stream into lines (over-long ones are cut) and hand each to ``on_line``."""
+    pending = b""
+    while chunk := await stream.read(READ_CHUNK_BYTES):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for raw in lines:
+            _emit(raw, on_line)
+        if len(pending) > MAX_LINE_BYTES:
+            _emit(pending, on_line)
+            pending = b""
+    if pending:
+        _emit(pending, on_line)
+
+
+def _emit(raw: bytes, on_line: LineCallback) -> None:
+    text = raw[:MAX_LINE_BYTES].decode("utf-8", errors="replace").rstrip("\r")
+    try:
+        on_line(text)
+    except Exception:
+        log.exception("log line callback failed")

@@ -1,0 +1,123 @@
+"""What to run for one backend and how to supervise it: a plain, frozen, comparable value.
+
+Two equal ``BackendSpec`` values mean "nothing changed" on a config reload, so every field
+is immutable and hashable (``env`` is a :class:`FrozenEnv`, ``argv`` a tuple).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from procman.policy import RestartPolicy
+
+__all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenEnv", "substitute"]
+
+#: Tokens replaced in argv and env values at spawn time.
+PLACEHOLDERS = ("${PORT}", "${SOCKET}", "${HOST}")
+
+
+class FrozenEnv(Mapping[str, str]):
+    """An immutable, hashable str -> str mapping (extra environment of a backend)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, str] | None = None) -> None:
+        pairs = sorted((items or {}).items())
+        for key, value in pairs:
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"env: keys and values must be strings, got {key!r}: {value!r}")
+        self._items: tuple[tuple[str, str], ...] = tuple(pairs)
+
+    def __getitem__(self, key: str) -> str:
+        for name, value in self._items:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FrozenEnv):
+            return self._items == other._items
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"FrozenEnv({dict(self._items)!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One supervised backend. ``argv`` None means a remote ``url`` that is never spawned."""
+
+    name: str
+    argv: tuple[str, ...] | None
+    env: Mapping[str, str] = field(default_factory=FrozenEnv)
+    cwd: str | None = None
+    url: str | None = None
+    transport: Literal["uds", "tcp"] = "uds"
+    health_path: str = "/health"
+    startup_timeout_s: float = 180.0
+    health_interval_s: float = 10.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 3
+    stop_timeout_s: float = 10.0
+    idle_timeout_s: float = 0.0  # 0 = never stop for idleness
+    drain_timeout_s: float = 300.0
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", FrozenEnv(self.env))
+        if self.argv is not None:
+            object.__setattr__(self, "argv", tuple(self.argv))
+        for problem in self._problems():
+            raise ValueError(f"backend {self.name!r}: {problem}")
+
+    def _problems(self) -> Iterator[str]:
+        if not self.name:
+            yield "name must not be empty"
+        if (self.argv is None) == (self.url is None):
+            yield "give exactly one of argv (a command to run) or url (a remote server)"
+        if self.argv is not None and not self.argv:
+            yield "argv must not be empty"
+        if self.transport not in ("uds", "tcp"):
+            yield f"transport: expected 'uds' or 'tcp', got {self.transport!r}"
+        if not self.health_path.startswith("/"):
+            yield f"health_path must start with '/', got {self.health_path!r}"
+        if self.argv is not None and self.transport == "uds" and _uses(self, "${PORT}"):
+            yield "argv/env use ${PORT} but transport is 'uds': use ${SOCKET} or transport 'tcp'"
+        if self.argv is not None and self.transport == "tcp" and _uses(self, "${SOCKET}"):
+            yield "argv/env use ${SOCKET} but transport is 'tcp': use ${PORT} or transport 'uds'"
+        for name in ("startup_timeout_s", "health_interval_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                yield f"{name}: expected a number > 0, got {getattr(self, name)!r}"
+        for name in ("stop_timeout_s", "idle_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                yield f"{name}: expected a number >= 0, got {getattr(self, name)!r}"
+        if self.health_failures < 1:
+            yield f"health_failures: expected an integer >= 1, got {self.health_failures!r}"
+
+    @property
+    def remote(self) -> bool:
+        """True for a ``url`` backend: health-checked, never spawned."""
+        return self.argv is None
+
+
+def _uses(spec: BackendSpec, token: str) -> bool:
+    return any(token in part for part in (*(spec.argv or ()), *spec.env.values()))
+
+
+def substitute(text: str, values: Mapping[str, str]) -> str:
+    """Replace the ``${PORT}`` / ``${SOCKET}`` / ``${HOST}`` tokens; any other ``$`` is left alone."""
+    for token in PLACEHOLDERS:
+        if token in text:
+            text = text.replace(token, values.get(token, token))
+    return text
