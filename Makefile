@@ -32,7 +32,7 @@ $(DEMO_GGUF): | $(VENV)/bin/python
 serve: setup  ## start the router on $(CONFIG)
 	$(VENV)/bin/ovrouter serve --config $(CONFIG)
 
-test: setup  ## run the whole test suite
+test: setup test-models  ## run the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
@@ -47,3 +47,22 @@ lint:
 
 clean:
 	rm -rf .ovrouter .pytest_cache .mypy_cache .ruff_cache
+
+# ---- test models (issue 5) ---------------------------------------------------------------
+# Small OpenVINO models for the real-model tests, built offline by tools/build_test_models.py
+# in their own virtualenv (torch + optimum-intel) so the product's runtime stays free of torch.
+# Each model is cached under models/ with a recipe stamp: a second run takes seconds.
+EXPORT_VENV := .venv-export
+EXPORT_PY := $(EXPORT_VENV)/bin/python
+
+.PHONY: test-models
+
+$(EXPORT_VENV)/.installed: tools/export-requirements.txt
+	$(PYTHON) -m venv $(EXPORT_VENV)
+	$(EXPORT_PY) -m pip install -q -r tools/export-requirements.txt
+	$(EXPORT_PY) -m pip uninstall -q -y torchvision
+	touch $@
+
+test-models: $(EXPORT_VENV)/.installed $(DEMO_GGUF)  ## build the small test models under models/
+	$(EXPORT_PY) tools/build_test_models.py
+# ---- end test models ----------------------------------------------------------------------
