@@ -1,0 +1,207 @@
+"""The router's ASGI app: OpenAI routes proxied by model name, /upstream, /api, /health, /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from router.body import model_of, read_body, too_large
+from router.config import Config
+from router.errors import BadRequest, ModelNotFound, NotFound, RouterError, error_body, error_response
+from router.management import management_routes
+from router.proxy import ProxyRequest, forward, run_until_disconnect, send_error, upstream_headers
+from router.registry import Model
+from router.service import RouterService, check_key
+
+__all__ = ["build_app"]
+
+log = logging.getLogger(__name__)
+
+#: OpenAI-style routes, each proxied to the model its body names.
+OPENAI_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise BadRequest(f"Content-Length is not a number: {value!r}") from None
+
+
+class _ProxyEndpoint:
+    """Raw ASGI endpoint: the hot path avoids building Request/Response objects."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        name, status = "-", 500
+        try:
+            check_key(_header(scope, b"authorization"), self.service.config.router.api_keys, "api_keys")
+            model, req = await self.prepare(scope, receive)
+            name = model.spec.name
+            status, gone = await run_until_disconnect(
+                lambda s: forward(model, req, self.service.pool, s), receive, send
+            )
+            if gone:
+                log.info("%s %s: client disconnected, upstream closed", name, req.path)
+        except RouterError as exc:
+            status = exc.status
+            await send_error(send, exc)
+        finally:
+            self._count(name, status, time.perf_counter() - started)
+
+    def _count(self, name: str, status: int, elapsed_s: float) -> None:
+        if name in self.service.registry.models:
+            self.service.metrics.requests.labels(name, str(status)).inc()
+            self.service.metrics.request_duration.labels(name).observe(elapsed_s)
+
+    async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
+        registry = self.service.registry
+        body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
+        routed = model_of(body, _header(scope, b"content-type") or "application/json", registry.models)
+        model = self.service.registry.resolve(routed.model)
+        if model is None:
+            raise _unknown_model(routed.model, registry.models)
+        if len(body) > model.spec.max_request_bytes:
+            raise too_large(model.spec.max_request_bytes, f"request body for model {model.spec.name!r}")
+        path = scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else "")
+        headers = upstream_headers(scope["headers"], _client(scope))
+        return model, ProxyRequest(scope["method"], path, headers, body, retryable=not routed.stream)
+
+
+class _UpstreamEndpoint(_ProxyEndpoint):
+    """``/upstream/{model}/{path}``: any method and path, raw, to one configured backend."""
+
+    async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
+        registry = self.service.registry
+        params = scope.get("path_params", {})
+        model = registry.resolve(params.get("model", ""))
+        if model is None:
+            raise _unknown_model(params.get("model", ""), registry.models)
+        body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
+        path = "/" + params.get("path", "")
+        if scope["query_string"]:
+            path += "?" + scope["query_string"].decode("latin-1")
+        # raw pass-through for debugging: never retried, whatever the method
+        return model, ProxyRequest(scope["method"], path, upstream_headers(scope["headers"], _client(scope)), body,
+                                   retryable=False)
+
+
+def _client(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
+
+
+def _unknown_model(name: str, known: Any) -> ModelNotFound:
+    return ModelNotFound(
+        f"model {name!r} is not configured; known models: {', '.join(sorted(known)) or 'none'}", param="model"
+    )
+
+
+def _models_list(service: RouterService) -> dict[str, Any]:
+    data = []
+    for row in service.models_table():
+        data.append({
+            "id": row["name"], "object": "model", "created": int(service.started_at), "owned_by": "ovrouter",
+            "status": str(row["state"]).lower(), "task": row["task"], "aliases": row["aliases"],
+        })
+    return {"object": "list", "data": data}
+
+
+def _routes(service: RouterService) -> list[Route]:
+    proxy, upstream = _ProxyEndpoint(service), _UpstreamEndpoint(service)
+
+    async def list_models(request: Request) -> Response:
+        check_key(request.headers.get("authorization"), service.config.router.api_keys, "api_keys")
+        return JSONResponse(_models_list(service))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": len(service.registry.models)})
+
+    async def metrics(request: Request) -> Response:
+        check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    routes += [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/upstream/{model}/{path:path}", upstream, methods=methods),
+        Route("/upstream/{model}", upstream, methods=methods),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return routes + management_routes(service)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFound(f"no route {request.method} {request.url.path}; see GET /v1/models and /api"))
+    if exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+        return Response(error_body(message, "invalid_request_error", "method_not_allowed"), status_code=405,
+                        media_type="application/json", headers=dict(exc.headers or {}))
+    return Response(error_body(str(exc.detail), "invalid_request_error", "http_error"), status_code=exc.status_code,
+                    media_type="application/json")
+
+
+async def _router_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
+    return error_response(exc)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return Response(error_body("internal router error; see the router log", "server_error", "internal_error"),
+                    status_code=500, media_type="application/json")
+
+
+def build_app(config: Config, service: RouterService | None = None) -> Starlette:
+    """A router app for ``config``; model processes start and stop with its lifespan."""
+    service = service or RouterService(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = Starlette(
+        routes=_routes(service),
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, RouterError: _router_error, Exception: _unexpected},
+    )
+    app.state.service = service
+    return app
+

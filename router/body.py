@@ -1,0 +1,122 @@
+"""Reading a request body under a size limit, and finding the model it names."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.types import Receive
+
+from router.errors import BadRequest, PayloadTooLarge
+
+__all__ = ["RoutedBody", "model_of", "read_body", "too_large"]
+
+MIB = 1024 * 1024
+
+
+def too_large(limit_bytes: int, what: str = "request body") -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"{what} is larger than the limit of {limit_bytes / MIB:g} MiB (max_request_mb); send less or raise the limit"
+    )
+
+
+async def read_body(receive: Receive, content_length: int | None, limit_bytes: int) -> bytes:
+    """The whole body, refusing with 413 as soon as it is known to exceed ``limit_bytes``."""
+    if content_length is not None and content_length > limit_bytes:
+        raise too_large(limit_bytes)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequest("client disconnected before the request body was complete")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit_bytes:
+            raise too_large(limit_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class RoutedBody:
+    """The parts of a body the router needs: the model name and whether a stream is asked for."""
+
+    __slots__ = ("model", "stream")
+
+    def __init__(self, model: str, stream: bool) -> None:
+        self.model = model
+        self.stream = stream
+
+
+def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody:
+    """The ``model`` of a JSON body or of a multipart form; 400 naming what is wrong otherwise."""
+    mime, params = parse_options_header(content_type)
+    if mime == b"multipart/form-data":
+        return RoutedBody(_form_model(body, params.get(b"boundary"), known), stream=False)
+    try:
+        data: Any = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON ({exc}); send a JSON object with a `model` field") from None
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object with a `model` field")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(_missing_model(known), param="model")
+    return RoutedBody(model, stream=data.get("stream") is True)
+
+
+def _missing_model(known: Iterable[str]) -> str:
+    return f"`model` is required: name one of {', '.join(sorted(known))}"
+
+
+def _form_model(body: bytes, boundary: bytes | None, known: Iterable[str]) -> str:
+    if not boundary:
+        raise BadRequest("multipart body without a boundary in its Content-Type")
+    fields: dict[str, bytes] = {}
+    state: dict[str, Any] = {"name": None, "header": b"", "value": b"", "headers": {}}
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["header"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["headers"][state["header"].lower()] = state["headers"].get(state["header"].lower(), b"") + data[start:end]
+
+    def on_header_end() -> None:
+        state["header"] = b""
+
+    def on_headers_finished() -> None:
+        _, params = parse_options_header(state["headers"].get(b"content-disposition", b""))
+        state["name"] = params.get(b"name", b"").decode("utf-8", "replace")
+        state["value"] = b""
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if state["name"] == "model" and len(state["value"]) < 1024:
+            state["value"] += data[start:end]
+
+    def on_part_end() -> None:
+        if state["name"] == "model":
+            fields["model"] = state["value"]
+        state["headers"] = {}
+
+    parser = MultipartParser(
+        boundary,
+        {  # type: ignore[arg-type]
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
+    try:
+        parser.write(body)
+        parser.finalize()
+    except Exception as exc:
+        raise BadRequest(f"malformed multipart body ({exc})") from None
+    model = fields.get("model", b"").decode("utf-8", "replace").strip()
+    if not model:
+        raise BadRequest(_missing_model(known) + " (as a form field)", param="model")
+    return model

@@ -1,0 +1,130 @@
+"""``ovrouter serve | check | status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from router.config import Config, ConfigError, load_config
+
+__all__ = ["main"]
+
+log = logging.getLogger("ovrouter")
+
+DEFAULT_CONFIG = "config.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ovrouter", description="One OpenAI-compatible URL for many OpenVINO models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the router")
+    serve.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default: %(default)s)")
+    serve.add_argument("--host", help="listen address (default: router.host)")
+    serve.add_argument("--port", type=int, help="listen port (default: router.port)")
+    serve.add_argument("--log-level", default=os.environ.get("OVROUTER_LOG_LEVEL", "info"),
+                       choices=["debug", "info", "warning", "error"])
+    check = sub.add_parser("check", help="validate a config file and print every problem")
+    check.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    status = sub.add_parser("status", help="print the models table of a running router")
+    status.add_argument("--config", default=DEFAULT_CONFIG, help="read host, port and admin key from this file")
+    status.add_argument("--url", help="router URL (default: from the config)")
+    status.add_argument("--key", default=os.environ.get("OVROUTER_API_KEY"), help="admin key (or $OVROUTER_API_KEY)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    return parser
+
+
+def _load(path: str) -> Config:
+    try:
+        return load_config(Path(path))
+    except ConfigError as exc:
+        print(f"{exc.source}: {len(exc.errors)} problem(s):", file=sys.stderr)
+        for line in exc.errors:
+            print(f"  {line}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    config = _load(args.config)
+    host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %d model(s) from %s", len(config.models), config.path)
+    log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
+    uvicorn.run(
+        build_app(config),
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(config.router.shutdown_timeout_s) or None,
+    )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    print(f"{config.path}: OK, {len(config.models)} model(s)")
+    for name, spec in config.models.items():
+        where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())
+        print(f"  {name:<20} {spec.task:<14} {spec.device:<8} {where}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    url, key = args.url, args.key
+    if url is None or key is None:
+        config = _load(args.config)
+        url = url or f"http://{config.router.host}:{config.router.port}"
+        key = key or next(iter(config.router.effective_admin_keys), None)
+    request = urllib.request.Request(url.rstrip("/") + "/api/models")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            rows = json.load(response)["models"]
+    except urllib.error.HTTPError as exc:
+        print(f"{url}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{url}: no router answering ({exc})", file=sys.stderr)
+        return 1
+    print(json.dumps(rows, indent=2) if args.json else _table(rows))
+    return 0
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'MODEL':<20} {'STATE':<9} {'PID':>7} {'IN':>3} {'Q':>3} {'RESTARTS':>8} {'IDLE':>7}  LAST ERROR"
+    lines = [head]
+    now = time.time()
+    for row in rows:
+        idle = f"{now - row['last_used']:.0f}s" if row.get("last_used") else "-"
+        error = (row.get("last_error") or "")[:60]
+        lines.append(
+            f"{row['name']:<20} {str(row['state']).lower():<9} {row.get('pid') or '-':>7} {row.get('in_flight', 0):>3} "
+            f"{row.get('queued', 0):>3} {row.get('restarts', 0):>8} {idle:>7}  {error}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"serve": _serve, "check": _check, "status": _status}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

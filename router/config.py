@@ -1,0 +1,169 @@
+"""The whole config file as typed, validated, frozen objects.
+
+``load_config(path)`` parses and validates everything or raises :class:`ConfigError` with
+one line per problem, each naming the key path and the bad value. The schema of one
+model lives in :mod:`modelserver.spec` (the only piece of ``modelserver`` the router
+imports); this module adds the ``router`` and ``groups`` sections and the cross-checks
+(aliases that clash, groups that do not exist).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from modelserver.spec import PER_MODEL_KEYS, ConfigError, ModelSpec, build_model_spec, format_errors, read_yaml
+
+__all__ = ["Config", "ConfigError", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
+
+TOP_LEVEL_KEYS = ("router", "defaults", "models", "groups")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RouterSettings(_Frozen):
+    """The ``router`` section."""
+
+    host: str = Field("127.0.0.1", description="address the router listens on")
+    port: int = Field(8080, ge=0, le=65535, description="port the router listens on")
+    api_keys: tuple[str, ...] = Field((), description="Bearer keys for /v1 and /upstream; empty = open")
+    admin_keys: tuple[str, ...] = Field((), description="Bearer keys for /api and /metrics; empty = same as api_keys")
+    state_dir: str = Field(".ovrouter", description="sockets, logs, converted models (relative to the config file)")
+    cache_dir: str = Field(".ovrouter/ov-cache", description="OpenVINO CACHE_DIR handed to every model server")
+    transport: Literal["uds", "tcp"] = Field("uds", description="how the router reaches model servers: uds | tcp")
+    port_range: tuple[int, int] = Field((20000, 20999), description="TCP ports for model servers (transport tcp)")
+    max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle one stops first); 0 = none")
+    shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    watch: bool = Field(True, description="reload when config.yaml changes on disk")
+
+    @field_validator("port_range")
+    @classmethod
+    def _ordered(cls, value: tuple[int, int]) -> tuple[int, int]:
+        low, high = value
+        if not 1 <= low <= high <= 65535:
+            raise ValueError(f"expected [low, high] with 1 <= low <= high <= 65535, got {list(value)}")
+        return value
+
+    @property
+    def effective_admin_keys(self) -> tuple[str, ...]:
+        return self.admin_keys or self.api_keys
+
+
+class GroupSpec(_Frozen):
+    """One entry of ``groups``: models that share a device budget."""
+
+    max_loaded: int = Field(0, ge=0, description="models of this group loaded at once; 0 = no limit")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A validated config; ``path`` is the file it came from (None when built in memory)."""
+
+    router: RouterSettings
+    models: Mapping[str, ModelSpec]
+    groups: Mapping[str, GroupSpec]
+    path: Path | None = None
+
+    def resolve(self, name: str) -> ModelSpec | None:
+        """The model a request names, by its key or one of its aliases."""
+        spec = self.models.get(name)
+        if spec is not None:
+            return spec
+        return next((m for m in self.models.values() if name in m.aliases), None)
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.router.state_dir)
+
+
+def _section(data: Mapping[str, Any], key: str, errors: list[str]) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        errors.append(f"{key}: expected a mapping, got {json.dumps(value, default=str)}")
+        return {}
+    return dict(value)
+
+
+def _router(raw: dict[str, Any], base_dir: Path, errors: list[str]) -> RouterSettings:
+    try:
+        settings = RouterSettings.model_validate(raw)
+    except ValidationError as exc:
+        errors.extend(format_errors(exc, "router"))
+        return RouterSettings()
+    state_dir, cache_dir = _absolute(settings.state_dir, base_dir), _absolute(settings.cache_dir, base_dir)
+    return settings.model_copy(update={"state_dir": state_dir, "cache_dir": cache_dir})
+
+
+def _absolute(value: str, base_dir: Path) -> str:
+    path = Path(os.path.expanduser(value))
+    return str(path if path.is_absolute() else (base_dir / path).resolve())
+
+
+def _groups(raw: dict[str, Any], errors: list[str]) -> dict[str, GroupSpec]:
+    groups = {}
+    for name, value in raw.items():
+        try:
+            groups[str(name)] = GroupSpec.model_validate(value or {})
+        except ValidationError as exc:
+            errors.extend(format_errors(exc, f"groups.{name}"))
+    return groups
+
+
+def _models(
+    raw: dict[str, Any], defaults: dict[str, Any], router: RouterSettings, base_dir: Path, errors: list[str]
+) -> dict[str, ModelSpec]:
+    for key in sorted(set(defaults) & PER_MODEL_KEYS):
+        errors.append(f"defaults.{key}: this key is per model; set it under models.<name>")
+        del defaults[key]
+    inherited = {"state_dir": router.state_dir, "cache_dir": router.cache_dir}
+    models = {}
+    for name, value in raw.items():
+        try:
+            models[str(name)] = build_model_spec(str(name), value, defaults, base_dir, inherited)
+        except ConfigError as exc:
+            errors.extend(exc.errors)
+    return models
+
+
+def _cross_check(models: Mapping[str, ModelSpec], groups: Mapping[str, GroupSpec], errors: list[str]) -> None:
+    owners: dict[str, str] = {name: name for name in models}
+    for spec in models.values():
+        for alias in spec.aliases:
+            other = owners.setdefault(alias, spec.name)
+            if other != spec.name:
+                errors.append(f"models.{spec.name}.aliases: {alias!r} already names model {other!r}")
+        if spec.group is not None and spec.group not in groups:
+            known = ", ".join(sorted(groups)) or "none"
+            errors.append(f"models.{spec.name}.group: no group {spec.group!r} under `groups` (known: {known})")
+
+
+def parse_config(data: Mapping[str, Any], base_dir: Path, path: Path | None = None) -> Config:
+    """Validate an already-parsed mapping; every problem is collected before raising."""
+    errors: list[str] = []
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            errors.append(f"{key}: unknown top-level key (expected one of {', '.join(TOP_LEVEL_KEYS)})")
+    router = _router(_section(data, "router", errors), base_dir, errors)
+    groups = _groups(_section(data, "groups", errors), errors)
+    models = _models(_section(data, "models", errors), _section(data, "defaults", errors), router, base_dir, errors)
+    _cross_check(models, groups, errors)
+    if errors:
+        raise ConfigError(list(dict.fromkeys(errors)), str(path) if path else "config")
+    return Config(router=router, models=models, groups=groups, path=path)
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate a config file; relative paths are relative to its folder."""
+    path = path.resolve()
+    return parse_config(read_yaml(path), path.parent, path)
+

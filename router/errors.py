@@ -1,0 +1,105 @@
+"""The router's exceptions and their one translation to HTTP.
+
+    RouterError                 every error a client can see; carries status, type, code
+     ├ BadRequest               400  invalid_request_error
+     ├ Unauthorized             401  authentication_error
+     ├ ModelNotFound            404  model_not_found
+     ├ NotFound                 404  not_found
+     ├ PayloadTooLarge          413  request_too_large
+     ├ TooManyRequests          429  rate_limit_exceeded   (Retry-After)
+     ├ BadGateway               502  backend_error
+     ├ ServiceUnavailable       503  model_unavailable     (Retry-After when known)
+     └ GatewayTimeout           504  backend_timeout
+
+Every body is ``{"error": {"message", "type", "code"}}``; nothing else ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from starlette.responses import Response
+
+__all__ = [
+    "BadGateway",
+    "BadRequest",
+    "GatewayTimeout",
+    "ModelNotFound",
+    "NotFound",
+    "PayloadTooLarge",
+    "RouterError",
+    "ServiceUnavailable",
+    "TooManyRequests",
+    "Unauthorized",
+    "error_body",
+    "error_response",
+]
+
+
+class RouterError(Exception):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.param = param
+
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        if self.retry_after_s is not None:
+            headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.status == 401:
+            headers["www-authenticate"] = "Bearer"
+        return headers
+
+
+class BadRequest(RouterError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(RouterError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class ModelNotFound(RouterError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class NotFound(RouterError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class PayloadTooLarge(RouterError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class TooManyRequests(RouterError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class BadGateway(RouterError):
+    status, type, code = 502, "server_error", "backend_error"
+
+
+class ServiceUnavailable(RouterError):
+    status, type, code = 503, "server_error", "model_unavailable"
+
+
+class GatewayTimeout(RouterError):
+    status, type, code = 504, "server_error", "backend_timeout"
+
+
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
+    error: dict[str, object] = {"message": message, "type": type_, "code": code}
+    if param is not None:
+        error["param"] = param
+    return json.dumps({"error": error}).encode()
+
+
+def error_response(exc: RouterError) -> Response:
+    body = error_body(exc.message, exc.type, exc.code, exc.param)
+    return Response(body, status_code=exc.status, headers=exc.headers())

@@ -1,0 +1,273 @@
+"""Forwarding one request to a model's backend and relaying the answer chunk by chunk.
+
+The flow of a proxied request::
+
+    limiter slot (429 when the queue is full)
+      -> backend.request()  (procman: cold start / wait for ready, in-flight guard)
+        -> upstream request, first byte within request_timeout_s
+          -> X-Backend-Fatal: 1 or a dead process: restart the backend; a non-streamed
+             request with nothing sent yet is retried once on the fresh process
+          -> relay: headers, then each chunk as it arrives (never buffered); silence
+             longer than stream_idle_timeout_s ends the stream with an error event
+
+The whole exchange runs in a task raced against the client's disconnect: a client that
+goes away cancels it, and the upstream connection is closed in a ``finally`` so the model
+server sees the disconnect and cancels the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+from starlette.types import Message, Receive, Send
+
+from procman import BackendUnavailable, InBackoff, Lease
+from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
+from router.registry import Model
+from router.upstream import UpstreamPool
+
+__all__ = ["ProxyRequest", "forward", "run_until_disconnect", "send_error"]
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Request headers the router owns: the client's key is for the router, not the backend.
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "x-backend-fatal"}
+SMALL_BODY = 1 << 20
+DEATH_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    method: str
+    path: str  # path and query string as sent to the backend
+    headers: list[tuple[str, str]]
+    body: bytes
+    retryable: bool  # a non-streamed request: safe to send again when nothing reached the client
+
+
+class _Relayed(Exception):
+    """Raised inside the exchange once response headers went out; carries the status sent."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list[tuple[str, str]]:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in REQUEST_DROP]
+    if client:
+        headers.append(("x-forwarded-for", client))
+    return headers
+
+
+def _response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower().decode("latin-1") not in RESPONSE_DROP]
+
+
+async def send_error(send: Send, exc: RouterError) -> None:
+    body = error_body(exc.message, exc.type, exc.code, exc.param)
+    headers = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _unavailable(model: Model, exc: BackendUnavailable) -> ServiceUnavailable:
+    retry = exc.retry_after_s if exc.retry_after_s is not None else (5.0 if isinstance(exc, InBackoff) else None)
+    return ServiceUnavailable(f"model {model.spec.name!r} is unavailable: {exc.reason}", retry_after_s=retry)
+
+
+async def forward(model: Model, req: ProxyRequest, pool: UpstreamPool, send: Send) -> int:
+    """Proxy ``req`` to ``model`` and relay the answer; returns the HTTP status the client got."""
+    async with model.limiter:
+        for attempt in (1, 2):
+            try:
+                async with model.backend.request() as lease:
+                    result = await _exchange(model, req, pool, lease, send, may_retry=attempt == 1)
+            except BackendUnavailable as exc:
+                raise _unavailable(model, exc) from None
+            if result is not None:
+                return result
+        raise AssertionError("unreachable: the second attempt never asks for a retry")
+
+
+def _can_retry(model: Model, req: ProxyRequest, may_retry: bool) -> bool:
+    return may_retry and req.retryable and model.spec.retry_on_fatal
+
+
+async def _exchange(
+    model: Model, req: ProxyRequest, pool: UpstreamPool, lease: Lease, send: Send, may_retry: bool
+) -> int | None:
+    """One try. Returns the status relayed, or None to ask for one retry on a fresh backend."""
+    spec = model.spec
+    session = pool.session(lease.address)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=spec.stream_idle_timeout_s)
+    try:
+        async with asyncio.timeout(spec.request_timeout_s):
+            resp = await session.request(
+                req.method, lease.address.base_url + req.path, data=req.body or None,
+                headers=req.headers, timeout=timeout, allow_redirects=False,
+            )
+    except TimeoutError:
+        raise GatewayTimeout(
+            f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"
+        ) from None
+    except aiohttp.ClientError as exc:
+        return await _backend_failed(model, req, lease, exc, may_retry)
+    try:
+        if resp.headers.get("x-backend-fatal") == "1":
+            return await _fatal(model, req, lease, resp, may_retry)
+        return await _relay(model, resp, send)
+    finally:
+        resp.close()
+
+
+async def _backend_failed(
+    model: Model, req: ProxyRequest, lease: Lease, exc: Exception, may_retry: bool
+) -> int | None:
+    """The connection failed before any answer: the process most likely died mid-request."""
+    died = await _wait_replaced(model, lease)
+    if died and _can_retry(model, req, may_retry):
+        log.warning("%s died mid-request (%s); retrying once on a fresh process", model.spec.name, exc)
+        return None
+    what = "died while handling the request" if died else f"could not be reached ({exc})"
+    raise BadGateway(f"model {model.spec.name!r} {what}; it is being restarted, retry the request")
+
+
+async def _wait_replaced(model: Model, lease: Lease) -> bool:
+    """Whether the process behind ``lease`` is gone (procman notices exits at once)."""
+    deadline = time.monotonic() + DEATH_GRACE_S
+    while time.monotonic() < deadline:
+        backend = model.backend
+        if backend.generation != lease.generation or backend.pid != lease.pid or backend.state.name != "READY":
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _fatal(
+    model: Model, req: ProxyRequest, lease: Lease, resp: aiohttp.ClientResponse, may_retry: bool
+) -> int | None:
+    detail = _error_message(await resp.read())
+    log.warning("%s reported a fatal engine error (%s); restarting it", model.spec.name, detail)
+    restart = model.backend.restart("fatal", generation=lease.generation)
+    if _can_retry(model, req, may_retry):
+        await restart  # the retry must land on the fresh process
+        return None
+    task = asyncio.create_task(restart)
+    task.add_done_callback(_log_failure)
+    raise ServiceUnavailable(
+        f"model {model.spec.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
+        retry_after_s=2.0,
+    )
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background restart failed: %s", task.exception())
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode("utf-8", "replace") or "no detail"
+
+
+async def _relay(model: Model, resp: aiohttp.ClientResponse, send: Send) -> int:
+    await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
+    length = resp.content_length
+    try:
+        if length is not None and length <= SMALL_BODY:
+            await send({"type": "http.response.body", "body": await resp.read()})
+            return resp.status
+        async for chunk in resp.content.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        await _end_broken_stream(model, resp, send, exc)
+        raise _Relayed(resp.status) from None
+    await send({"type": "http.response.body", "body": b""})
+    return resp.status
+
+
+async def _end_broken_stream(model: Model, resp: aiohttp.ClientResponse, send: Send, exc: Exception) -> None:
+    if isinstance(exc, TimeoutError):
+        reason = f"sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
+    else:
+        reason = "stopped answering mid-response (the process may have died; it is being restarted)"
+    log.warning("%s %s: %s", model.spec.name, reason, exc)
+    if resp.content_type == "text/event-stream":
+        error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
+                           "code": "backend_error"}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode(),
+                    "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def run_until_disconnect(
+    work: Callable[[Send], Awaitable[int]], receive: Receive, send: Send
+) -> tuple[int, bool]:
+    """Run ``work`` while watching for the client going away; returns (status, disconnected).
+
+    ``work`` gets a ``send`` that remembers whether response headers went out, so an
+    error raised afterwards is not answered with a second response."""
+    started: list[int] = []
+
+    async def tracking_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            started.append(message["status"])
+        await send(message)
+
+    task = asyncio.ensure_future(work(tracking_send))
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return (started[0] if started else 499), True
+    return await _outcome(task, started, tracking_send)
+
+
+async def _outcome(task: asyncio.Future[int], started: list[int], send: Send) -> tuple[int, bool]:
+    try:
+        return task.result(), False
+    except _Relayed as relayed:
+        return relayed.status, False
+    except RouterError as exc:
+        if started:
+            return started[0], False
+        await send_error(send, exc)
+        return exc.status, False
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

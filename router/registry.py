@@ -1,0 +1,197 @@
+"""The router's models: config, procman backends, admission limits, eviction and reload.
+
+Every request reaches a backend through ``model.backend.request()`` (procman's in-flight
+guard around ``ensure_ready``); nothing here inspects a state first and then acts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelserver.spec import ModelSpec
+from procman import Backend, BackendUnavailable, ProcessManager, State
+from router.config import Config
+from router.launch import backend_spec
+from router.limits import Limiter
+from router.metrics import Metrics
+from router.reload import ConfigDiff, diff
+
+__all__ = ["Model", "Registry"]
+
+log = logging.getLogger(__name__)
+
+#: States in which a model's process holds memory.
+LOADED = frozenset({State.STARTING, State.READY, State.STOPPING})
+ROOM_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class Model:
+    spec: ModelSpec
+    backend: Backend
+    limiter: Limiter
+    updating: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+class Registry:
+    """Owns one ProcessManager; ``apply(config)`` moves it to a new config with minimal restarts."""
+
+    def __init__(self, config: Config, metrics: Metrics, manager: ProcessManager | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.manager = manager or ProcessManager(
+            Path(config.router.state_dir),
+            port_range=config.router.port_range,
+            listener=self,
+            before_start=self._make_room,
+        )
+        self.models: dict[str, Model] = {}
+        self._aliases: dict[str, str] = {}
+        self._room = asyncio.Lock()
+        self._reserved: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        for spec in config.models.values():
+            self._add(spec)
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> Model | None:
+        return self.models.get(self._aliases.get(name, name))
+
+    @property
+    def max_body_bytes(self) -> int:
+        return max((m.spec.max_request_bytes for m in self.models.values()), default=1 << 20)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _add(self, spec: ModelSpec) -> Model:
+        backend = self.manager.add(backend_spec(spec, self.config.router, self.config.path))
+        model = self.models[spec.name] = Model(spec, backend, Limiter(spec.name, spec.max_concurrency, spec.max_queue))
+        self._index_aliases()
+        return model
+
+    def _index_aliases(self) -> None:
+        self._aliases = {alias: m.spec.name for m in self.models.values() for alias in m.spec.aliases}
+
+    def start_preloads(self, names: Iterable[str] | None = None) -> None:
+        for name in self.models if names is None else names:
+            model = self.models[name]
+            if model.spec.preload:
+                self._spawn(self._preload(model), f"preload {name}")
+
+    async def _preload(self, model: Model) -> None:
+        try:
+            await model.backend.ensure_ready()
+        except BackendUnavailable as exc:
+            log.warning("preload of %s failed: %s", model.spec.name, exc)
+
+    def _spawn(self, coro: Any, what: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=what)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.manager.shutdown()
+
+    # -- reload -------------------------------------------------------------------------------
+
+    async def apply(self, new: Config) -> ConfigDiff:
+        """Removed models drain and stop, changed ones restart after their in-flight requests,
+        router-only changes (aliases, limits) apply in place, unchanged ones are not touched."""
+        old, self.config = self.config, new
+        changes = diff(old.models, new.models)
+        for name in changes.removed:
+            self.models.pop(name)
+            self.metrics.forget(name)
+            self._spawn(self.manager.remove(name), f"remove {name}")
+        for name in changes.changed:
+            self._change(self.models[name], new.models[name])
+        for name in changes.added:
+            self._add(new.models[name])
+        self._index_aliases()
+        self.start_preloads(changes.added)
+        log.info("config applied: added=%s changed=%s removed=%s", changes.added, changes.changed, changes.removed)
+        return changes
+
+    def _change(self, model: Model, spec: ModelSpec) -> None:
+        if (spec.max_concurrency, spec.max_queue) != (model.spec.max_concurrency, model.spec.max_queue):
+            model.limiter = Limiter(spec.name, spec.max_concurrency, spec.max_queue)
+        model.spec = spec
+        new_backend_spec = backend_spec(spec, self.config.router, self.config.path)
+        if new_backend_spec != model.backend.spec:
+            log.info("%s changed: restarting after its in-flight requests finish", spec.name)
+            self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
+
+    # -- eviction (procman calls this under the backend's lock, right before a cold start) ----
+
+    def _scopes(self, backend: Backend) -> list[tuple[str, int, list[Backend]]]:
+        scopes = []
+        everyone = [m.backend for m in self.models.values()]
+        if self.config.router.max_loaded_models:
+            scopes.append(("all models", self.config.router.max_loaded_models, everyone))
+        model = self.models.get(backend.name)
+        group = model.spec.group if model else None
+        if group is not None and self.config.groups[group].max_loaded:
+            members = [m.backend for m in self.models.values() if m.spec.group == group]
+            scopes.append((f"group {group!r}", self.config.groups[group].max_loaded, members))
+        return scopes
+
+    def _loaded(self, members: list[Backend], exclude: Backend) -> list[Backend]:
+        return [b for b in members if b is not exclude and (b.state in LOADED or b.name in self._reserved)]
+
+    async def _make_room(self, backend: Backend) -> None:
+        """Stop least-recently-used idle models until ``backend`` fits every scope it is in.
+
+        A busy model is never stopped to make room: the start waits (bounded by the model's
+        ``startup_timeout_s``) for one to become idle, then fails with a clear reason."""
+        model = self.models.get(backend.name)
+        deadline = time.monotonic() + (model.spec.startup_timeout_s if model else 60.0)
+        async with self._room:
+            for label, limit, members in self._scopes(backend):
+                await self._fit(backend, label, limit, members, deadline)
+            self._reserved.add(backend.name)
+
+    async def _fit(self, backend: Backend, label: str, limit: int, members: list[Backend], deadline: float) -> None:
+        while len(loaded := self._loaded(members, backend)) >= limit:
+            idle = sorted((b for b in loaded if b.is_idle()), key=lambda b: b.last_used or 0.0)
+            if idle:
+                log.info("evicting %s (least recently used) to start %s in %s", idle[0].name, backend.name, label)
+                await idle[0].stop("evict")
+                continue
+            if time.monotonic() >= deadline:
+                busy = ", ".join(b.name for b in loaded)
+                raise BackendUnavailable(
+                    f"cannot start {backend.name}: {label} allows {limit} loaded model(s) and all are busy ({busy})",
+                    retry_after_s=5.0,
+                )
+            await asyncio.sleep(ROOM_POLL_S)
+
+    # -- procman Listener ------------------------------------------------------------------------
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        if old is State.STOPPED and new is State.STARTING:
+            self._reserved.discard(backend.name)
+        if backend.name not in self.models:
+            return
+        self.metrics.loaded.labels(backend.name).set(1 if new in LOADED else 0)
+        for state in State:
+            self.metrics.state.labels(backend.name, state.name.lower()).set(1 if state is new else 0)
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        self._reserved.discard(backend.name)
+        self.metrics.starts.labels(backend.name, reason, "ok" if ok else "failed").inc()
+        if ok:
+            self.metrics.cold_start.labels(backend.name).observe(duration_s)
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        self.metrics.restarts.labels(backend.name, reason).inc()

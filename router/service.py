@@ -1,0 +1,130 @@
+"""The running router: registry, upstream pool, metrics, and config reloads, owned by the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from typing import Any
+
+from router.config import Config, ConfigError, load_config
+from router.errors import Unauthorized
+from router.metrics import Metrics
+from router.registry import Registry
+from router.reload import watch_config
+from router.upstream import UpstreamPool
+
+__all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key"]
+
+log = logging.getLogger(__name__)
+
+#: router settings that only take effect when the router itself restarts.
+RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range")
+
+
+def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> None:
+    """Bearer auth, compared in constant time against every key; open when ``keys`` is empty."""
+    if not keys:
+        return
+    scheme, _, token = (authorization or "").partition(" ")
+    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented, key.encode())
+    if not matched:
+        hint = "missing" if not presented else "not accepted"
+        raise Unauthorized(f"API key {hint}: send `Authorization: Bearer <key>` with a key from router.{what}")
+
+
+class RouterService:
+    def __init__(self, config: Config, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.registry = Registry(config, self.metrics)
+        self.pool = UpstreamPool()
+        self.started_at = time.time()
+        self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}
+        self._reload_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._hup = asyncio.Event()
+
+    @property
+    def config(self) -> Config:
+        return self.registry.config
+
+    async def start(self) -> None:
+        self.registry.start_preloads()
+        path = self.config.path
+        if path is not None and self.config.router.watch:
+            self._tasks.append(asyncio.create_task(watch_config(path, lambda: self.reload("watch")), name="watch"))
+        if path is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread/Windows
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._hup.set)
+            self._tasks.append(asyncio.create_task(self._on_hup(), name="sighup"))
+
+    async def _on_hup(self) -> None:
+        while True:
+            await self._hup.wait()
+            self._hup.clear()
+            await self.reload("SIGHUP")
+
+    async def stop(self) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.registry.shutdown()
+        await self.pool.close()
+
+    async def reload(self, source: str) -> dict[str, Any]:
+        """Parse and validate the whole file; keep the old config when it is invalid."""
+        path = self.config.path
+        if path is None:
+            return {"ok": False, "errors": ["this router was started without a config file"], "source": source}
+        async with self._reload_lock:
+            try:
+                new = load_config(path)
+            except ConfigError as exc:
+                return self._reload_failed(source, exc)
+            changes = await self.registry.apply(self._keep_restart_only(new))
+            self.metrics.config_valid.set(1)
+            self.metrics.reloads.labels("ok").inc()
+            summary = {"added": list(changes.added), "changed": list(changes.changed), "removed": list(changes.removed)}
+            self.last_reload = {"ok": True, "at": time.time(), "source": source, "errors": [], "diff": summary}
+            return self.last_reload
+
+    def _reload_failed(self, source: str, exc: ConfigError) -> dict[str, Any]:
+        log.error("config reload (%s) rejected, still serving the previous config:\n  %s", source,
+                  "\n  ".join(exc.errors))
+        self.metrics.config_valid.set(0)
+        self.metrics.reloads.labels("invalid").inc()
+        self.last_reload = {"ok": False, "at": time.time(), "source": source, "errors": exc.errors, "diff": None}
+        return self.last_reload
+
+    def _keep_restart_only(self, new: Config) -> Config:
+        """Settings that need a router restart keep their running value (and say so)."""
+        current = self.config.router
+        kept = {k: getattr(current, k) for k in RESTART_ONLY_SETTINGS if getattr(new.router, k) != getattr(current, k)}
+        if not kept:
+            return new
+        log.warning("router.%s changed: restart the router to apply it", ", router.".join(kept))
+        return Config(router=new.router.model_copy(update=kept), models=new.models, groups=new.groups, path=new.path)
+
+    def models_table(self) -> list[dict[str, Any]]:
+        rows = []
+        for name, model in self.registry.models.items():
+            row = dict(model.backend.snapshot())
+            row.update(
+                name=name, task=model.spec.task, engine=model.spec.engine if model.spec.launches_modelserver else None,
+                kind=_kind(model.spec), device=model.spec.device, aliases=list(model.spec.aliases),
+                group=model.spec.group, queued=model.limiter.queued,
+            )
+            rows.append(row)
+        return rows
+
+
+def _kind(spec: Any) -> str:
+    return "url" if spec.url else "command" if spec.command else "modelserver"

@@ -1,0 +1,183 @@
+"""Config validation, reload diff, admission limits and body routing: pure, no processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from modelserver.spec import ModelSpec, build_model_spec
+from router.body import model_of, read_body
+from router.config import ConfigError, load_config, parse_config
+from router.errors import BadRequest, PayloadTooLarge, TooManyRequests
+from router.launch import backend_spec
+from router.limits import Limiter
+from router.reload import diff
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def errors_of(data: dict, base: Path = Path("/tmp")) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, base)
+    return info.value.errors
+
+
+def test_default_config_file_is_valid() -> None:
+    config = load_config(ROOT / "config.yaml")
+    assert {"smollm2", "tiny-fake"} <= set(config.models)
+    assert config.resolve("gpt-4o-mini") is config.models["smollm2"]
+    assert Path(config.models["smollm2"].path or "").is_absolute()
+
+
+def test_error_names_key_path_and_bad_value() -> None:
+    errors = errors_of({"models": {"smollm2": {"engine": "fake", "idle_timeout_s": "soon"}}})
+    assert errors == ['models.smollm2.idle_timeout_s: expected a number >= 0, got "soon"']
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    errors = errors_of({
+        "routr": {},
+        "router": {"transport": "pigeon"},
+        "defaults": {"max_queue": -1},
+        "models": {"a": {"engine": "fake", "tsk": "llm"}, "b": {"engine": "fake"}},
+    })
+    text = "\n".join(errors)
+    assert "routr: unknown top-level key" in text
+    assert "router.transport: expected one of 'uds' or 'tcp', got \"pigeon\"" in text
+    assert "defaults.max_queue: expected a number >= 0, got -1" in text
+    assert "models.a.tsk: unknown key (did you mean 'task'?)" in text
+    assert len(errors) == len(set(errors)), "a bad default is reported once, not once per model"
+
+
+def test_unknown_group_is_an_error() -> None:
+    errors = errors_of({"models": {"b": {"engine": "fake", "group": "nope"}}, "groups": {"gpu0": {"max_loaded": 1}}})
+    assert errors == ["models.b.group: no group 'nope' under `groups` (known: gpu0)"]
+
+
+def test_alias_clash_is_an_error() -> None:
+    errors = errors_of({"models": {"a": {"engine": "fake"}, "b": {"engine": "fake", "aliases": ["a"]}}})
+    assert errors == ["models.b.aliases: 'a' already names model 'a'"]
+
+
+def test_openvino_model_needs_a_path() -> None:
+    errors = errors_of({"models": {"m": {"engine": "openvino"}}})
+    assert errors and "path" in errors[0] and errors[0].startswith("models.m")
+
+
+def test_per_model_key_in_defaults_is_refused() -> None:
+    errors = errors_of({"defaults": {"path": "x.gguf"}, "models": {"m": {"engine": "fake"}}})
+    assert errors == ["defaults.path: this key is per model; set it under models.<name>"]
+
+
+def test_defaults_merge_under_models_and_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "c.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({
+        "router": {"state_dir": "st"},
+        "defaults": {"idle_timeout_s": 5, "ov_config": {"A": 1, "B": 2}},
+        "models": {"m": {"path": "m.gguf", "idle_timeout_s": 7, "ov_config": {"B": 3}}, "n": {"engine": "fake"}},
+    }))
+    config = load_config(path)
+    m, n = config.models["m"], config.models["n"]
+    assert (m.idle_timeout_s, n.idle_timeout_s) == (7, 5)
+    assert m.ov_config == {"A": 1, "B": 3}
+    assert m.path == str(path.parent / "m.gguf")
+    assert m.state_dir == str(path.parent / "st") and config.router.state_dir == str(path.parent / "st")
+
+
+def test_check_command_prints_all_errors_and_exits_non_zero(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("models:\n  a: {engine: fake, max_queue: lots}\n  b: {engine: warp}\n")
+    result = subprocess.run([sys.executable, "-m", "router.cli", "check", str(path)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert 'models.a.max_queue: expected an integer >= 0, got "lots"' in result.stderr
+    assert "models.b.engine: expected one of 'openvino' or 'fake', got \"warp\"" in result.stderr
+    good = subprocess.run([sys.executable, "-m", "router.cli", "check", str(ROOT / "config.yaml")],
+                          capture_output=True, text=True)
+    assert good.returncode == 0 and "OK, 2 model(s)" in good.stdout
+
+
+def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("models: [unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "not valid YAML" in info.value.errors[0]
+
+
+def spec(name: str, **kw: object) -> ModelSpec:
+    return build_model_spec(name, {"engine": "fake", **kw})
+
+
+def test_diff_is_by_name_and_equality() -> None:
+    old = {"same": spec("same"), "edit": spec("edit"), "gone": spec("gone")}
+    new = {"same": spec("same"), "edit": spec("edit", idle_timeout_s=1), "new": spec("new")}
+    result = diff(old, new)
+    assert (result.added, result.changed, result.removed) == (("new",), ("edit",), ("gone",))
+    assert not diff(old, dict(old))
+
+
+def test_router_only_changes_keep_the_process_spec() -> None:
+    router = parse_config({}, Path("/tmp")).router
+    base = backend_spec(spec("m"), router)
+    assert backend_spec(spec("m", aliases=["x"], max_concurrency=2, max_queue=1), router) == base
+    assert backend_spec(spec("m", idle_timeout_s=3), router) != base
+    assert backend_spec(spec("m", fake={"token_delay_s": 0.5}), router) != base
+
+
+def test_command_backend_transport_follows_its_placeholder() -> None:
+    router = parse_config({}, Path("/tmp")).router
+    assert backend_spec(spec("t", command=["srv", "--port", "${PORT}"]), router).transport == "tcp"
+    assert backend_spec(spec("u", command=["srv", "--sock", "${SOCKET}"]), router).transport == "uds"
+    remote = backend_spec(spec("r", url="http://127.0.0.1:9"), router)
+    assert remote.argv is None and remote.url == "http://127.0.0.1:9"
+
+
+async def test_limiter_queues_then_refuses_with_retry_after() -> None:
+    limiter = Limiter("m", max_concurrency=1, max_queue=1)
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with limiter:
+            await release.wait()
+
+    first = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    second = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    assert (limiter.in_flight, limiter.queued) == (1, 1)
+    with pytest.raises(TooManyRequests) as info:
+        async with limiter:
+            pass
+    assert info.value.retry_after_s and "max_queue=1" in info.value.message
+    release.set()
+    await asyncio.gather(first, second)
+    assert (limiter.in_flight, limiter.queued) == (0, 0)
+
+
+def test_model_of_json_and_multipart() -> None:
+    assert model_of(b'{"model": "m", "stream": true}', "application/json", []).stream is True
+    form = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--b--\r\n')
+    assert model_of(form, "multipart/form-data; boundary=b", []).model == "whisper"
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        model_of(b"{nope", "application/json", [])
+    with pytest.raises(BadRequest, match="`model` is required: name one of a, b"):
+        model_of(b'{"messages": []}', "application/json", ["b", "a"])
+
+
+async def test_read_body_refuses_past_the_limit_without_content_length() -> None:
+    chunks = [{"type": "http.request", "body": b"x" * 600, "more_body": True}] * 3
+
+    async def receive() -> dict:
+        return chunks.pop()
+
+    with pytest.raises(PayloadTooLarge, match="limit of"):
+        await read_body(receive, None, 1000)
+    with pytest.raises(PayloadTooLarge):
+        await read_body(receive, 5000, 1000)
