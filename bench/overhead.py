@@ -89,10 +89,10 @@ def _start_trivial_router(ctx: Context, name: str, port: int) -> tuple[str, floa
 
 def _measure(ctx: Context, targets: dict[str, str], levels: list[int]) -> dict[str, dict[int, list[LoadResult]]]:
     rounds = ctx.count(3, 1)
-    duration_s = ctx.scale(4.0, 1.0)
+    duration_s = ctx.scale(4.0, 0.5)
     results: dict[str, dict[int, list[LoadResult]]] = {t: {c: [] for c in levels} for t in targets}
     for url in targets.values():  # warm-up: connections, lazy imports, caches
-        run_load(ctx.loadgen, Target(url + CHAT, TRIVIAL_BODY), 4, 1.0)
+        run_load(ctx.loadgen, Target(url + CHAT, TRIVIAL_BODY), 4, ctx.scale(1.0, 0.3))
     for index in range(rounds):
         for connections in levels:
             for name, url in targets.items():
@@ -152,7 +152,7 @@ def _targets_table(summaries: dict[str, dict[int, dict[str, float]]]) -> Table:
 
 def run(ctx: Context) -> Section:
     section = Section("overhead", "Proxy overhead (trivial backend)")
-    levels = [1, 16, 64] if not ctx.quick else [1, 4]
+    levels = [1, 16, 64] if not ctx.quick else [1, 16]
     backends = start_backends(ctx, "overhead")
     section.notes.extend(backends.notes)
     if backends.router_error:
@@ -162,7 +162,7 @@ def run(ctx: Context) -> Section:
     section.intro = (
         f"Trivial OpenAI-compatible backend (`bench/trivial_backend.py`, uvicorn+httptools+uvloop, one process). "
         f"Load generator: **{ctx.loadgen}**, one thread, keep-alive connections, "
-        f"{ctx.count(3, 1)} interleaved rounds of {ctx.scale(4.0, 1.0):.0f} s per cell."
+        f"{ctx.count(3, 1)} interleaved round(s) of {ctx.scale(4.0, 0.5):g} s per cell (wrk: whole seconds)."
     )
     section.tables.append(_table(summaries, levels))
     section.tables.append(_targets_table(summaries))
