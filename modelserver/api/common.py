@@ -1,0 +1,139 @@
+"""Helpers every task's handlers share: parsing, engine errors, disconnects, SSE, the request log.
+
+A handler reads its body with :func:`read_body`, gets its engine with :func:`engine_as`,
+wraps engine calls in :func:`engine_errors` (which classifies them and marks the runtime
+failed on a fatal one) and, when the answer takes a while, in :func:`until_disconnect`
+so a client that goes away cancels the work. :func:`note` adds ``key=value`` pairs to the
+request's single log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar, cast
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from modelserver.errors import FatalEngineError, ModelServerError, classify
+from modelserver.protocol import parse_request
+from modelserver.runtime import ModelRuntime
+from modelserver.spec import ModelSpec
+
+__all__ = [
+    "LOG_NOTES",
+    "ClientGone",
+    "SSEResponse",
+    "engine_as",
+    "engine_errors",
+    "note",
+    "read_body",
+    "runtime",
+    "spec",
+    "sse",
+    "until_disconnect",
+]
+
+T = TypeVar("T")
+Model = TypeVar("Model", bound=BaseModel)
+
+#: Scope key of the ``key=value`` notes the request log line ends with.
+LOG_NOTES = "modelserver.log_notes"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready; the work was cancelled."""
+
+
+def runtime(request: Request) -> ModelRuntime:
+    return cast(ModelRuntime, request.app.state.runtime)
+
+
+def spec(request: Request) -> ModelSpec:
+    return runtime(request).spec
+
+
+def engine_as(request: Request, kind: type[T]) -> T:
+    """The loaded engine (503 while loading or failed), typed as the protocol the handler needs."""
+    return cast(T, runtime(request).require())
+
+
+async def read_body(request: Request, model: type[Model]) -> Model:
+    return parse_request(await request.body(), model)
+
+
+def note(request: Request, **fields: Any) -> None:
+    request.scope.setdefault(LOG_NOTES, {}).update(fields)
+
+
+@contextlib.contextmanager
+def engine_errors(rt: ModelRuntime) -> Iterator[None]:
+    """Turn an engine's exception into a client error; a fatal one fails the runtime for good."""
+    try:
+        yield
+    except ModelServerError as exc:
+        if isinstance(exc, FatalEngineError):
+            rt.set_failed(exc.message)
+        raise
+    except Exception as exc:
+        error = classify(exc, rt.spec.fatal_patterns)
+        if isinstance(error, FatalEngineError):
+            rt.set_failed(error.message)
+        raise error from exc
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and raising :class:`ClientGone`) if the client disconnects first.
+
+    Only for the part of a request before its response starts: once a streamed response
+    runs, Starlette itself listens for the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream whose ``on_close`` always runs, however the stream ends.
+
+    A disconnect cancels the streaming task at any await, possibly outside the body
+    iterator, which then is never closed; closing here frees the engine's slot at once.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            await self._on_close()

@@ -1,0 +1,154 @@
+"""The model server's Starlette app: ``/health``, ``/v1/models``, the task's routes, limits, errors.
+
+``build_app(spec, engine)`` serves an engine that is already loaded (tests, in-process
+use); ``build_app(spec, runtime=rt)`` serves a :class:`ModelRuntime` that a loader thread
+fills in, which is how ``python -m modelserver`` starts serving before the model loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modelserver.api.common import LOG_NOTES, runtime
+from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, error_body, error_response
+from modelserver.runtime import ModelRuntime
+from modelserver.spec import ModelSpec
+from modelserver.tasks import routes_for
+
+__all__ = ["BodyLimit", "RequestLog", "build_app"]
+
+log = logging.getLogger("modelserver.access")
+
+
+class BodyLimit:
+    """413 for a body above ``max_bytes``: at once from Content-Length, else while it is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await error_response(BodyTooLarge(self.max_bytes))(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class RequestLog:
+    """One log line per request when it ends: method, path, status, seconds and the handler's notes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, status = time.monotonic(), 0
+
+        async def recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording)
+        finally:
+            notes = "".join(f" {key}={value}" for key, value in scope.get(LOG_NOTES, {}).items())
+            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            elapsed = time.monotonic() - started
+            log.log(level, "%s %s %s %.3fs%s", scope["method"], scope["path"], status or "-", elapsed, notes)
+
+
+async def health(request: Request) -> Response:
+    status_code, body = runtime(request).health()
+    return JSONResponse(body, status_code=status_code)
+
+
+async def list_models(request: Request) -> Response:
+    rt = runtime(request)
+    card = {
+        "id": rt.spec.name,
+        "object": "model",
+        "created": rt.started_at,
+        "owned_by": "ovrouter",
+        "task": rt.spec.task,
+        "status": rt.status,
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def _model_server_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ModelServerError)
+    if exc.status >= 500:
+        log.warning("%s %s failed: %s", request.method, request.url.path, exc.message)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    paths = ", ".join(route.path for route in request.app.routes if isinstance(route, Route))
+    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+    error = RequestError(f"{request.method} {request.url.path}: {exc.detail}; this server serves {paths}", code=code)
+    return JSONResponse(error_body(error), status_code=exc.status_code)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s: unexpected error", request.method, request.url.path, exc_info=exc)
+    body = {
+        "error": {
+            "message": f"internal error: {type(exc).__name__}: {exc}",
+            "type": "server_error",
+            "code": "internal_error",
+        }
+    }
+    return JSONResponse(body, status_code=500)
+
+
+def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | None = None) -> Starlette:
+    """The app for one model; give a loaded ``engine``, or a ``runtime`` that a loader fills in."""
+    rt = runtime or ModelRuntime(spec)
+    if engine is not None:
+        rt.set_ready(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        rt.close()
+
+    app = Starlette(
+        routes=[Route("/health", health), Route("/v1/models", list_models), *routes_for(spec.task)],
+        middleware=[Middleware(RequestLog), Middleware(BodyLimit, max_bytes=spec.max_request_bytes)],
+        exception_handlers={ModelServerError: _model_server_error, HTTPException: _http_error, Exception: _unexpected},
+        lifespan=lifespan,
+    )
+    app.state.runtime = rt
+    return app

@@ -1,0 +1,130 @@
+"""``python -m modelserver``: serve one model over a Unix socket or TCP.
+
+::
+
+    python -m modelserver --config config.yaml --model NAME (--uds PATH | --port N [--host H])
+    python -m modelserver --task llm --path models/x.gguf [--device CPU] --port 8000    # no config file
+    python -m modelserver --engine fake --port 8000                                     # fake echo model
+
+When ``OVROUTER_MODEL_SPEC`` is set it holds the exact ModelSpec the router validated and
+wins over the config file (``--config/--model`` then only name things in logs).
+
+The server answers at once (``/health`` 503 "loading") while a loader thread loads the
+engine. A model that cannot load logs ``failed to load <name>: <reason>`` and the process
+exits with status 1 (2 for a bad command line or config). SIGTERM stops it gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from modelserver.app import build_app
+from modelserver.engines import make_engine
+from modelserver.runtime import ModelRuntime
+from modelserver.spec import SPEC_ENV, ConfigError, ModelSpec, build_model_spec, load_model_spec
+
+__all__ = ["main", "parse_args", "resolve_spec"]
+
+log = logging.getLogger("modelserver")
+
+EXIT_LOAD_FAILED = 1
+EXIT_USAGE = 2
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m modelserver", description="Serve one model (OpenAI API).")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--uds", help="listen on this Unix socket path")
+    where.add_argument("--port", type=int, help="listen on this TCP port")
+    parser.add_argument("--host", default="127.0.0.1", help="TCP host (default 127.0.0.1)")
+    parser.add_argument("--config", type=Path, help="config file (with --model)")
+    parser.add_argument("--model", help="the model's key under `models` in --config")
+    parser.add_argument("--task", help="no-config form: llm | embeddings | ...")
+    parser.add_argument("--path", help="no-config form: a .gguf file or an OpenVINO IR folder")
+    parser.add_argument("--device", default="CPU", help="no-config form: OpenVINO device (default CPU)")
+    parser.add_argument("--engine", choices=["openvino", "fake"], help="no-config form: engine (default openvino)")
+    parser.add_argument("--name", help="no-config form: the model's name (default: the file's stem)")
+    parser.add_argument("--cache-dir", help="no-config form: OpenVINO CACHE_DIR")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    if not os.environ.get(SPEC_ENV) and not (args.config or args.task or args.path or args.engine):
+        parser.error("give --config and --model, or --task/--path (or --engine fake) to serve without a config")
+    if args.config and not args.model:
+        parser.error("--config needs --model NAME")
+    return args
+
+
+def resolve_spec(args: argparse.Namespace) -> ModelSpec:
+    """The spec to serve: the router's (``OVROUTER_MODEL_SPEC``), the config file's, or the flags'."""
+    from_env = os.environ.get(SPEC_ENV)
+    if from_env:
+        try:
+            return ModelSpec.from_env(from_env)
+        except ValidationError as exc:
+            raise ConfigError([f"{SPEC_ENV}: {err['msg']} at {err['loc']}" for err in exc.errors()]) from None
+    if args.config:
+        return load_model_spec(args.config, args.model)
+    raw: dict[str, Any] = {"task": args.task, "engine": args.engine, "path": args.path, "device": args.device}
+    raw["cache_dir"] = args.cache_dir
+    raw = {key: value for key, value in raw.items() if value is not None}
+    name = args.name or (Path(args.path).stem if args.path else f"{args.engine or 'openvino'}-{args.task or 'llm'}")
+    return build_model_spec(name, raw, base_dir=Path.cwd())
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+
+
+def _load(runtime: ModelRuntime, server: uvicorn.Server) -> None:
+    if not runtime.load(make_engine):
+        server.should_exit = True  # the main loop notices within 0.1 s; main() then exits non-zero
+
+
+def _server(args: argparse.Namespace, runtime: ModelRuntime) -> uvicorn.Server:
+    listen: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
+    config = uvicorn.Config(
+        build_app(runtime.spec, runtime=runtime),
+        http="httptools",
+        loop="uvloop",
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **listen,
+    )
+    return uvicorn.Server(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        spec = resolve_spec(args)
+    except ConfigError as exc:
+        log.error("failed to load %s: %s", args.model or args.name or args.path or "model", "; ".join(exc.errors))
+        return EXIT_USAGE
+    runtime = ModelRuntime(spec)
+    server = _server(args, runtime)
+    loader = threading.Thread(target=_load, args=(runtime, server), name="loader", daemon=True)
+    log.info("serving %s (task %s, engine %s) on %s", spec.name, spec.task, spec.engine, args.uds or args.port)
+    loader.start()
+    server.run()
+    code = EXIT_LOAD_FAILED if runtime.load_failed else 0
+    if loader.is_alive():  # stopped while loading: OpenVINO is mid-compile, skip interpreter teardown
+        log.info("stopped %s while it was loading", spec.name)
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -1,0 +1,118 @@
+"""What an engine is, per task, in plain-Python types (no OpenVINO, no HTTP).
+
+The ``api/`` modules shape HTTP requests and responses and call these protocols; the
+real OpenVINO engines and the fake engine implement them. Adding a task is a protocol
+here (when no existing one fits), an engine module, an api module, and one line each in
+``modelserver/tasks.py`` and ``modelserver/engines/__init__.py``.
+
+Every engine also satisfies :class:`Engine`: ``describe()`` names the properties logged at
+start, ``stats()`` feeds ``/health``, ``close()`` releases threads and device memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "ChatTurn",
+    "Embedder",
+    "EmbeddingResult",
+    "Engine",
+    "FinishReason",
+    "GenerationRequest",
+    "SamplingParams",
+    "TextGenerator",
+    "TextStream",
+]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One chat message reduced to text: ``role`` is system, user or assistant."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """OpenAI sampling parameters, already validated. ``None`` means "the model's default"."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A chat (``messages``) or a raw completion (``prompt``): exactly one of the two is set."""
+
+    sampling: SamplingParams
+    messages: tuple[ChatTurn, ...] | None = None
+    prompt: str | None = None
+
+    def last_user_text(self) -> str:
+        """The text that the fake engine echoes and scans for fault markers."""
+        if self.messages is None:
+            return self.prompt or ""
+        users = [turn.content for turn in self.messages if turn.role == "user"]
+        return users[-1] if users else ""
+
+
+@runtime_checkable
+class TextStream(Protocol):
+    """One running generation: iterate for text deltas; counts are final once iteration ends.
+
+    ``aclose()`` stops the generation if it is still running (a client went away, or a
+    stop string matched) and frees its batch slot; it is safe to call more than once.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None
+
+    def __aiter__(self) -> AsyncIterator[str]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def describe(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class TextGenerator(Engine, Protocol):
+    """Tasks ``llm`` (and ``vlm``): chat and completions, always streamed internally."""
+
+    def generate(self, request: GenerationRequest) -> TextStream:
+        """Start a generation; errors may surface here or from the stream's first step."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingResult:
+    vectors: list[list[float]]
+    prompt_tokens: int
+
+
+@runtime_checkable
+class Embedder(Engine, Protocol):
+    """Task ``embeddings``: one vector per input text, in input order."""
+
+    async def embed(self, texts: Sequence[str]) -> EmbeddingResult: ...

@@ -1,0 +1,178 @@
+"""The built-in deterministic engine (``engine: fake``): fast process tests without a model.
+
+It echoes the last user message (or the prompt) word by word, ``fake.token_delay_s``
+apart, after a load of ``fake.load_s``; usage counts are words. Markers in that text inject
+faults, checked when a request starts:
+
+- ``[[crash]]``  the process exits at once (``os._exit``), as a segfaulting driver would;
+- ``[[hang]]``   the event loop thread blocks forever: the request and ``/health`` never answer;
+- ``[[fatal]]``  an engine error containing ``CL_OUT_OF_RESOURCES`` (fatal by the default patterns);
+- ``[[error]]``  an ordinary engine error: a 500, and the server keeps serving.
+
+Fake embeddings are a deterministic function of the text: a normalized sum of one
+pseudo-random vector per lower-cased word, so texts sharing words are close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
+from modelserver.errors import LoadError
+from modelserver.spec import ModelSpec
+
+__all__ = ["CRASH_EXIT_CODE", "FakeEmbedder", "FakeTextGenerator", "load_embedder", "load_text_generator"]
+
+log = logging.getLogger(__name__)
+
+#: Exit status of a ``[[crash]]``, so a test can tell an injected crash from any other exit.
+CRASH_EXIT_CODE = 86
+
+
+def inject_faults(text: str) -> None:
+    """Act on the fault markers in ``text``; returns only when there is none."""
+    if "[[crash]]" in text:
+        log.warning("fake engine: [[crash]] marker, exiting with status %d", CRASH_EXIT_CODE)
+        logging.shutdown()
+        os._exit(CRASH_EXIT_CODE)
+    if "[[hang]]" in text:
+        log.warning("fake engine: [[hang]] marker, blocking the event loop forever")
+        while True:  # deliberately blocks the event loop thread: nothing, /health included, answers
+            time.sleep(3600)
+    if "[[fatal]]" in text:
+        raise RuntimeError("fake engine: clEnqueueNDRangeKernel failed with CL_OUT_OF_RESOURCES ([[fatal]] marker)")
+    if "[[error]]" in text:
+        raise RuntimeError("fake engine: injected error ([[error]] marker)")
+
+
+def _fake_load(spec: ModelSpec) -> None:
+    time.sleep(spec.fake.load_s)
+    if spec.fake.fail_load:
+        raise LoadError(spec.fake.fail_load)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.running = 0
+        self.completed = 0
+        self.cancelled = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"running": self.running, "completed": self.completed, "cancelled": self.cancelled}
+
+
+class FakeStream:
+    """Echo of ``words``, one per delta; the same contract as the real engine's stream."""
+
+    def __init__(self, words: list[str], prompt_tokens: int, max_tokens: int, delay_s: float, counters: _Counters):
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self._words = words
+        self._max_tokens = max_tokens
+        self._delay_s = delay_s
+        self._counters = counters
+        self._closed = False
+        counters.running += 1
+        self._gen = self._deltas()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._gen
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        try:
+            for index, word in enumerate(self._words[: self._max_tokens]):
+                await asyncio.sleep(self._delay_s)
+                self.completion_tokens += 1
+                yield word if index == 0 else " " + word
+            self.finish_reason = "length" if len(self._words) > self._max_tokens else "stop"
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._counters.running -= 1
+        if self.finish_reason is None:
+            self._counters.cancelled += 1
+            log.info("fake generation cancelled after %d tokens", self.completion_tokens)
+        else:
+            self._counters.completed += 1
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()  # type: ignore[attr-defined]
+        self._settle()
+
+
+class FakeTextGenerator:
+    def __init__(self, spec: ModelSpec) -> None:
+        self._spec = spec
+        self._counters = _Counters()
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "fake", "task": self._spec.task, "token_delay_s": self._spec.fake.token_delay_s}
+
+    def stats(self) -> dict[str, Any]:
+        return self._counters.as_dict()
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, request: GenerationRequest) -> FakeStream:
+        text = request.last_user_text()
+        inject_faults(text)
+        prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+        return FakeStream(
+            text.split(), prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters
+        )
+
+
+def fake_vector(text: str, dims: int) -> list[float]:
+    """A unit vector that depends only on the words of ``text`` (case-insensitive)."""
+    total = np.zeros(dims)
+    for word in text.lower().split() or [""]:
+        seed = int.from_bytes(hashlib.sha256(word.encode("utf-8")).digest()[:8], "little")
+        total += np.random.default_rng(seed).standard_normal(dims)
+    return [float(x) for x in total / np.linalg.norm(total)]
+
+
+class FakeEmbedder:
+    def __init__(self, spec: ModelSpec) -> None:
+        self._spec = spec
+        self._counters = _Counters()
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "fake", "task": self._spec.task, "dims": self._spec.fake.dims}
+
+    def stats(self) -> dict[str, Any]:
+        return self._counters.as_dict()
+
+    def close(self) -> None:
+        pass
+
+    async def embed(self, texts: Sequence[str]) -> EmbeddingResult:
+        for text in texts:
+            inject_faults(text)
+        await asyncio.sleep(self._spec.fake.token_delay_s)
+        self._counters.completed += 1
+        vectors = [fake_vector(text, self._spec.fake.dims) for text in texts]
+        return EmbeddingResult(vectors=vectors, prompt_tokens=sum(len(text.split()) for text in texts))
+
+
+def load_text_generator(spec: ModelSpec) -> FakeTextGenerator:
+    _fake_load(spec)
+    return FakeTextGenerator(spec)
+
+
+def load_embedder(spec: ModelSpec) -> FakeEmbedder:
+    _fake_load(spec)
+    return FakeEmbedder(spec)

@@ -1,0 +1,338 @@
+"""Task ``llm`` on OpenVINO: one ``ContinuousBatchingPipeline``, one pump thread.
+
+The pump thread is the only code that touches the pipeline. Request handlers hand it a
+ticket (token ids + GenerationConfig) and read events back on their own asyncio queue;
+the pump admits new tickets with ``add_request()``, runs ``step()`` while anything is in
+flight, reads every handle after each step and cancels the handles whose client went
+away. Concurrent requests therefore share each step (continuous batching) instead of
+queuing behind a lock. ``step()`` holds the GIL while it runs, so the event loop gets its
+turn between steps; the per-step work left to it (a short decode, one SSE write per
+stream) is small next to a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import openvino_genai as ov_genai
+
+from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
+from modelserver.engines.ov_options import (
+    ModelSource,
+    finish_conversion,
+    one_line,
+    ov_properties,
+    prepare_source,
+    scheduler_config,
+)
+from modelserver.errors import EngineError, LoadError, RequestError
+from modelserver.spec import ModelSpec
+from modelserver.textstream import IncrementalDetokenizer
+
+__all__ = ["OpenVINOTextGenerator", "Pump", "load"]
+
+log = logging.getLogger(__name__)
+
+Event = tuple[list[int], FinishReason | None] | BaseException
+_FINISH = {"STOP": "stop", "LENGTH": "length", "TOOL_CALL": "stop"}
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One request on its way through the pump; ``deliver`` is thread-safe."""
+
+    request_id: int
+    input_ids: Any
+    config: Any
+    deliver: Callable[[Event], None]
+    handle: Any = None
+    tokens: int = 0
+    finish: FinishReason | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Pump:
+    """The one thread that calls the pipeline: ``add_request``, ``step``, ``read``, ``cancel``."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self._inbox: queue.SimpleQueue[Ticket] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._active: dict[int, Ticket] = {}
+        self._stopping = False
+        self.completed = 0
+        self.cancelled = 0
+        self._thread = threading.Thread(target=self._run, name="ov-pump", daemon=True)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def submit(self, ticket: Ticket) -> None:
+        self._inbox.put(ticket)
+        self._wake.set()
+
+    def cancel(self, ticket: Ticket) -> None:
+        ticket.cancelled.set()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._admit()
+            self._drop_cancelled()
+            if not self._active and not self._pipe.has_non_finished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._pipe.step()
+            except Exception as exc:  # the pipeline failed: every request in flight fails with it
+                self._fail_all(exc)
+                continue
+            self._publish()
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                ticket = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if ticket.cancelled.is_set():
+                continue
+            try:
+                ticket.handle = self._pipe.add_request(ticket.request_id, ticket.input_ids, ticket.config)
+            except Exception as exc:
+                ticket.deliver(exc)
+                continue
+            self._active[ticket.request_id] = ticket
+
+    def _drop_cancelled(self) -> None:
+        for ticket in [t for t in self._active.values() if t.cancelled.is_set()]:
+            ticket.handle.cancel()
+            del self._active[ticket.request_id]
+            self.cancelled += 1
+            log.info("request %d cancelled after %d tokens", ticket.request_id, ticket.tokens)
+
+    def _publish(self) -> None:
+        for ticket in list(self._active.values()):
+            ids = self._read(ticket)
+            status = ticket.handle.get_status()
+            if status == ov_genai.GenerationStatus.RUNNING:
+                if ids:
+                    ticket.deliver((ids, None))
+                continue
+            del self._active[ticket.request_id]
+            if status == ov_genai.GenerationStatus.FINISHED:
+                self.completed += 1
+                ticket.deliver((ids, ticket.finish or "stop"))
+            elif status == ov_genai.GenerationStatus.IGNORED:
+                ticket.deliver(EngineError("the request did not fit in the KV cache (raise scheduler.cache_size)"))
+            else:
+                ticket.deliver(EngineError(f"the generation ended with status {status.name}"))
+
+    def _read(self, ticket: Ticket) -> list[int]:
+        ids: list[int] = []
+        if not ticket.handle.can_read():
+            return ids
+        for output in ticket.handle.read().values():
+            ids.extend(output.generated_ids)
+            ticket.finish = _FINISH.get(output.finish_reason.name, ticket.finish)  # type: ignore[assignment]
+        ticket.tokens += len(ids)
+        return ids
+
+    def _fail_all(self, exc: Exception) -> None:
+        log.error("pipeline step failed with %d requests in flight: %s", len(self._active), one_line(exc))
+        for ticket in self._active.values():
+            ticket.deliver(exc)
+        self._active.clear()
+
+
+def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    def deliver(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    return deliver
+
+
+class LLMStream:
+    """The async side of one ticket: token ids in, UTF-8-safe text deltas out."""
+
+    def __init__(self, pump: Pump, ticket: Ticket, events: asyncio.Queue[Event], decode: Callable[..., str]):
+        self.prompt_tokens = int(ticket.input_ids.shape[1])
+        self.completion_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self._pump = pump
+        self._ticket = ticket
+        self._events = events
+        self._detokenizer = IncrementalDetokenizer(decode)
+        self._gen = self._deltas()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._gen
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        try:
+            while self.finish_reason is None:
+                event = await self._events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                ids, finish = event
+                self.completion_tokens += len(ids)
+                text = self._detokenizer.push(ids)
+                if finish is not None:
+                    text += self._detokenizer.flush()
+                    self.finish_reason = finish
+                if text:
+                    yield text
+        finally:
+            if self.finish_reason is None:
+                self._pump.cancel(self._ticket)
+
+    async def aclose(self) -> None:
+        if self.finish_reason is None:
+            self._pump.cancel(self._ticket)
+        await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+class OpenVINOTextGenerator:
+    """A loaded ContinuousBatchingPipeline behind the :class:`~modelserver.engines.base.TextGenerator` protocol."""
+
+    def __init__(self, spec: ModelSpec, pipe: Any, source: ModelSource, properties: dict[str, Any], load_s: float):
+        self._spec = spec
+        self._properties = properties
+        self._pipe = pipe
+        self._tokenizer = pipe.get_tokenizer()
+        self._defaults = pipe.get_config()
+        self._source = source
+        self._load_s = load_s
+        self._ids = itertools.count(1)
+        self._pump = Pump(pipe)
+        self._pump.start()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": "openvino ContinuousBatchingPipeline",
+            "device": self._spec.device,
+            "source": f"{self._source.path} ({self._source.kind})",
+            "load_s": round(self._load_s, 2),
+            "eos_token_id": self._defaults.eos_token_id,
+            "chat_template": bool(self._tokenizer.chat_template),
+            "scheduler": dict(self._spec.scheduler),
+            "ov_config": self._properties,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled}
+
+    def close(self) -> None:
+        self._pump.stop()
+
+    def generate(self, request: GenerationRequest) -> LLMStream:
+        ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request.sampling), _noop)
+        if int(ticket.input_ids.shape[1]) == 0:
+            raise RequestError("the prompt is empty after tokenization", param="messages")
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        ticket.deliver = _deliverer(asyncio.get_running_loop(), events)
+        self._pump.submit(ticket)
+        return LLMStream(self._pump, ticket, events, self._decode)
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def _tokenize(self, request: GenerationRequest) -> Any:
+        if request.messages is None:
+            return self._tokenizer.encode(request.prompt or "", add_special_tokens=True).input_ids
+        history = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+        try:
+            prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        except Exception as exc:
+            raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
+        return self._tokenizer.encode(prompt, add_special_tokens=False).input_ids
+
+    def _generation_config(self, sampling: SamplingParams) -> Any:
+        config = ov_genai.GenerationConfig()
+        config.eos_token_id = self._defaults.eos_token_id
+        config.stop_token_ids = self._defaults.stop_token_ids
+        config.max_new_tokens = sampling.max_tokens
+        config.ignore_eos = sampling.ignore_eos
+        _set_sampling(config, sampling, self._defaults)
+        _set_penalties(config, sampling)
+        try:
+            config.validate()
+        except Exception as exc:
+            raise RequestError(f"invalid generation parameters: {one_line(exc)}") from None
+        return config
+
+
+def _noop(event: Event) -> None:
+    pass
+
+
+def _set_sampling(config: Any, sampling: SamplingParams, defaults: Any) -> None:
+    """temperature omitted: the model's own default; 0: greedy; > 0: multinomial sampling."""
+    temperature = sampling.temperature
+    if temperature is None:
+        temperature = defaults.temperature if defaults.do_sample else 0.0
+    config.do_sample = temperature > 0
+    if not config.do_sample:
+        return
+    config.temperature = temperature
+    config.top_p = sampling.top_p if sampling.top_p is not None else defaults.top_p
+    if sampling.top_k is not None:
+        config.top_k = sampling.top_k
+    if sampling.seed is not None:
+        config.rng_seed = sampling.seed
+
+
+def _set_penalties(config: Any, sampling: SamplingParams) -> None:
+    if sampling.presence_penalty is not None:
+        config.presence_penalty = sampling.presence_penalty
+    if sampling.frequency_penalty is not None:
+        config.frequency_penalty = sampling.frequency_penalty
+    if sampling.repetition_penalty is not None:
+        config.repetition_penalty = sampling.repetition_penalty
+    if sampling.min_tokens is not None:
+        config.min_new_tokens = sampling.min_tokens
+
+
+def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, Any]) -> Any:
+    properties = {**properties, **source.extra_properties()}
+    scheduler = scheduler_config(spec.scheduler)
+    if source.tokenizer_path is None:
+        return ov_genai.ContinuousBatchingPipeline(str(source.path), scheduler, spec.device, properties)
+    tokenizer = ov_genai.Tokenizer(str(source.tokenizer_path))
+    return ov_genai.ContinuousBatchingPipeline(str(source.path), tokenizer, scheduler, spec.device, **properties)
+
+
+def load(spec: ModelSpec) -> OpenVINOTextGenerator:
+    """Load ``spec`` onto its device; :class:`LoadError` with one readable line when it cannot."""
+    started = time.monotonic()
+    source = prepare_source(spec)
+    properties = ov_properties(spec)
+    try:
+        pipe = _build_pipeline(spec, source, properties)
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(one_line(exc)) from None
+    finish_conversion(source)
+    return OpenVINOTextGenerator(spec, pipe, source, properties, time.monotonic() - started)

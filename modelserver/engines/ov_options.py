@@ -1,0 +1,138 @@
+"""What a ModelSpec means to OpenVINO, shared by the OpenVINO engines of every task.
+
+- :func:`ov_properties`: ``ov_config`` passed through, plus ``CACHE_DIR`` = ``cache_dir`` (created);
+- :func:`scheduler_config`: ``scheduler`` fields set on a ``SchedulerConfig`` (an unknown field fails the load);
+- :func:`prepare_source`: the path to load, converting a ``.gguf`` to OpenVINO IR once under
+  ``state_dir/converted/<name>/`` when ``save_ov_model`` is set (openvino_genai's
+  ``enable_save_ov_model`` writes ``openvino_model.xml/.bin`` next to the ``.gguf`` it loads, so the
+  conversion loads a link to the ``.gguf`` placed in that folder). The IR holds no tokenizer, so
+  later starts load the tokenizer from the original ``.gguf``;
+- :func:`one_line`: an OpenVINO exception as one readable line for the ``failed to load`` log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelserver.errors import LoadError
+from modelserver.spec import ModelSpec
+
+__all__ = ["ModelSource", "one_line", "ov_properties", "prepare_source", "scheduler_config"]
+
+log = logging.getLogger(__name__)
+
+IR_XML = "openvino_model.xml"
+STAMP = "source.json"
+
+
+def ov_properties(spec: ModelSpec) -> dict[str, Any]:
+    properties = dict(spec.ov_config)
+    if spec.cache_dir and "CACHE_DIR" not in properties:
+        Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
+        properties["CACHE_DIR"] = spec.cache_dir
+    return properties
+
+
+def scheduler_config(fields: dict[str, Any]) -> Any:
+    import openvino_genai as ov_genai
+
+    config = ov_genai.SchedulerConfig()
+    known = sorted(name for name in dir(config) if not name.startswith("_") and not callable(getattr(config, name)))
+    for key, value in fields.items():
+        if key not in known:
+            raise LoadError(f"scheduler.{key}: not a SchedulerConfig field (known: {', '.join(known)})")
+        try:
+            setattr(config, key, value)
+        except (TypeError, ValueError) as exc:
+            raise LoadError(f"scheduler.{key}: cannot set {value!r}: {one_line(exc)}") from None
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What to hand the pipeline: ``path``; ``tokenizer_path`` when the tokenizer lives elsewhere."""
+
+    path: Path
+    tokenizer_path: Path | None = None
+    convert_into: Path | None = None  # set when this load writes a fresh IR there
+    original: Path | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.convert_into is not None:
+            return "gguf (converting to IR)"
+        if self.tokenizer_path is not None:
+            return "converted IR"
+        return "gguf" if self.path.suffix.lower() == ".gguf" else "IR"
+
+    def extra_properties(self) -> dict[str, Any]:
+        return {"enable_save_ov_model": True} if self.convert_into is not None else {}
+
+
+def converted_dir(spec: ModelSpec) -> Path:
+    return Path(spec.state_dir or ".ovrouter") / "converted" / spec.name
+
+
+def _stamp(path: Path) -> dict[str, Any]:
+    info = path.stat()
+    return {"source": str(path.resolve()), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+
+
+def prepare_source(spec: ModelSpec) -> ModelSource:
+    """The model to load; :class:`LoadError` when the path does not exist."""
+    if not spec.path:
+        raise LoadError("no model path given (`path`: a .gguf file or an OpenVINO IR folder)")
+    path = Path(spec.path)
+    if not path.exists():
+        raise LoadError(f"model path does not exist: {path}")
+    if not (spec.save_ov_model and path.is_file() and path.suffix.lower() == ".gguf"):
+        return ModelSource(path)
+    folder = converted_dir(spec)
+    if (folder / IR_XML).is_file() and _read_stamp(folder) == _stamp(path):
+        return ModelSource(folder, tokenizer_path=path, original=path)
+    return ModelSource(_link_for_conversion(path, folder), convert_into=folder, original=path)
+
+
+def _read_stamp(folder: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((folder / STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _link_for_conversion(gguf: Path, folder: Path) -> Path:
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    link = folder / gguf.name
+    try:
+        os.symlink(gguf.resolve(), link)
+    except OSError:
+        shutil.copyfile(gguf, link)  # no symlinks (Windows without the privilege): a copy, removed after
+    return link
+
+
+def finish_conversion(source: ModelSource) -> None:
+    """After a converting load: keep the IR and its stamp, drop the link to the ``.gguf``."""
+    if source.convert_into is None or source.original is None:
+        return
+    source.path.unlink(missing_ok=True)
+    if not (source.convert_into / IR_XML).is_file():
+        log.warning("conversion of %s wrote no %s; the next start converts again", source.original, IR_XML)
+        return
+    (source.convert_into / STAMP).write_text(json.dumps(_stamp(source.original)), encoding="utf-8")
+    log.info("converted %s to OpenVINO IR in %s", source.original, source.convert_into)
+
+
+def one_line(exc: BaseException) -> str:
+    """OpenVINO errors come as several lines of C++ locations; keep the lines that say what is wrong."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(("Exception from ", "Check '"))]
+    return " ".join(useful or lines) or type(exc).__name__

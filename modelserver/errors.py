@@ -1,0 +1,132 @@
+"""The model server's exceptions, and the one place that turns them into HTTP responses.
+
+::
+
+    ModelServerError                 every error a client may see (status, type, code)
+    ├── RequestError                 400  the request is wrong; the message says what to fix
+    │   ├── UnsupportedParameter     400  a known parameter with a value this server cannot honour
+    │   └── BodyTooLarge             413  the body is above ``max_request_mb``
+    ├── NotReady                     503  the engine is still loading, or failed to load
+    └── EngineError                  500  the engine failed this request; the server keeps serving
+        └── FatalEngineError         500  + ``X-Backend-Fatal: 1``: the process is beyond repair
+
+    LoadError                        (not an HTTP error) the model cannot be loaded; the process exits
+
+Engines raise plain exceptions (``RuntimeError`` from OpenVINO, or the fake engine's
+injected faults); :func:`classify` maps them onto :class:`EngineError` or
+:class:`FatalEngineError` by the model's ``fatal_patterns``, and :func:`error_response`
+renders any :class:`ModelServerError` as ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+__all__ = [
+    "FATAL_HEADER",
+    "BodyTooLarge",
+    "EngineError",
+    "FatalEngineError",
+    "LoadError",
+    "ModelServerError",
+    "NotReady",
+    "RequestError",
+    "UnsupportedParameter",
+    "classify",
+    "error_body",
+    "error_response",
+]
+
+#: Response header that tells the router this process must be replaced.
+FATAL_HEADER = "X-Backend-Fatal"
+
+
+class ModelServerError(Exception):
+    """An error with an HTTP status and an OpenAI-style ``type`` and ``code``."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class RequestError(ModelServerError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class UnsupportedParameter(RequestError):
+    code = "unsupported_parameter"
+
+
+class BodyTooLarge(RequestError):
+    status = 413
+    code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(
+            f"request body is larger than the limit of {limit_bytes / (1024 * 1024):g} MiB (max_request_mb); "
+            "send a smaller body or raise max_request_mb for this model"
+        )
+
+
+class NotReady(ModelServerError):
+    status = 503
+    type = "service_unavailable"
+    code = "model_not_ready"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"}
+
+
+class EngineError(ModelServerError):
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+
+
+class FatalEngineError(EngineError):
+    code = "engine_fatal"
+
+    def headers(self) -> dict[str, str]:
+        return {FATAL_HEADER: "1"}
+
+
+class LoadError(Exception):
+    """The model cannot be loaded (missing file, bad option, unsupported model); the process exits non-zero."""
+
+
+def classify(exc: BaseException, fatal_patterns: Sequence[str]) -> ModelServerError:
+    """``exc`` as a client-facing error: fatal when its text contains one of ``fatal_patterns``."""
+    if isinstance(exc, ModelServerError):
+        return exc
+    text = str(exc).strip() or type(exc).__name__
+    lowered = text.lower()
+    if any(pattern.lower() in lowered for pattern in fatal_patterns if pattern):
+        return FatalEngineError(f"engine failed beyond repair: {text}")
+    return EngineError(f"engine error: {text}")
+
+
+def error_body(exc: ModelServerError) -> dict[str, Any]:
+    error: dict[str, Any] = {"message": exc.message, "type": exc.type, "code": exc.code}
+    if exc.param is not None:
+        error["param"] = exc.param
+    return {"error": error}
+
+
+def error_response(exc: ModelServerError) -> JSONResponse:
+    """The one translation of an error into HTTP: status, headers and the JSON body."""
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())

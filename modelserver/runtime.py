@@ -1,0 +1,93 @@
+"""The model's engine and its health, shared by the HTTP handlers and the loader thread.
+
+::
+
+    loading --load ok--> ready --fatal engine error--> failed
+       └------load failed------------------------------> failed   (final: the process is replaced)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+from modelserver.errors import LoadError, NotReady
+from modelserver.spec import ModelSpec
+
+__all__ = ["ModelRuntime", "Status"]
+
+log = logging.getLogger(__name__)
+
+Status = Literal["loading", "ready", "failed"]
+
+
+class ModelRuntime:
+    """Holds the engine once loaded; ``status`` only moves forward (loading -> ready -> failed)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.status: Status = "loading"
+        self.reason: str | None = None
+        self.load_failed = False
+        self.started_at = int(time.time())
+        self._engine: Any = None
+        self._lock = threading.Lock()
+
+    def set_ready(self, engine: Any) -> None:
+        with self._lock:
+            if self.status == "loading":
+                self._engine, self.status = engine, "ready"
+
+    def set_failed(self, reason: str) -> None:
+        with self._lock:
+            if self.status == "failed":
+                return
+            self.status, self.reason = "failed", reason
+        log.error("%s is beyond repair, /health now answers 503: %s", self.spec.name, reason)
+
+    def require(self) -> Any:
+        """The engine, or :class:`NotReady` while loading and once failed."""
+        if self.status == "ready":
+            return self._engine
+        if self.status == "loading":
+            raise NotReady(f"model {self.spec.name!r} is still loading; retry shortly", code="model_loading")
+        raise NotReady(f"model {self.spec.name!r} failed and must be restarted: {self.reason}", code="model_failed")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        body: dict[str, Any] = {"status": self.status, "model": self.spec.name, "task": self.spec.task}
+        if self.status == "ready":
+            return 200, {**body, **self._engine.stats()}
+        if self.status == "failed":
+            body["reason"] = self.reason
+        return 503, body
+
+    def load(self, factory: Callable[[ModelSpec], Any]) -> bool:
+        """Load the engine with ``factory`` (blocking); logs the outcome and returns whether it worked."""
+        started = time.monotonic()
+        try:
+            engine = factory(self.spec)
+        except LoadError as exc:
+            return self._load_failed(str(exc))
+        except Exception as exc:  # an engine bug or an unexpected OpenVINO error: still one clear line
+            log.debug("load of %s raised", self.spec.name, exc_info=True)
+            return self._load_failed(f"{type(exc).__name__}: {exc}")
+        properties = " ".join(f"{key}={value}" for key, value in engine.describe().items())
+        log.info(
+            "loaded %s (task %s) in %.2fs: %s", self.spec.name, self.spec.task, time.monotonic() - started, properties
+        )
+        self.set_ready(engine)
+        return True
+
+    def _load_failed(self, reason: str) -> bool:
+        reason = " ".join(reason.split())
+        log.error("failed to load %s: %s", self.spec.name, reason)
+        with self._lock:
+            self.status, self.reason, self.load_failed = "failed", reason, True
+        return False
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()

@@ -1,0 +1,24 @@
+"""THE one place that maps a task to its HTTP routes (``/health`` and ``/v1/models`` are always served).
+
+Adding a task: write ``modelserver/api/<task>.py`` with a module-level ``routes`` list and
+add one line here (and one in ``modelserver/engines/__init__.py`` for its engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from starlette.routing import BaseRoute
+
+from modelserver.api import chat, embeddings
+
+__all__ = ["TASK_ROUTES", "routes_for"]
+
+TASK_ROUTES: dict[str, Sequence[BaseRoute]] = {
+    "llm": chat.routes,
+    "embeddings": embeddings.routes,
+}
+
+
+def routes_for(task: str) -> list[BaseRoute]:
+    return list(TASK_ROUTES.get(task, ()))
