@@ -33,11 +33,12 @@ log = logging.getLogger("modelserver.access")
 
 
 class BodyLimit:
-    """413 for a body above ``max_bytes``: at once from Content-Length, else while it is read."""
+    """413 for a body above ``max_mb`` MiB: at once from Content-Length, else while it is read."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_mb: float) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.max_mb = max_mb
+        self.max_bytes = int(max_mb * 1024 * 1024)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -45,7 +46,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(BodyTooLarge(self.max_bytes))(scope, receive, send)
+            await error_response(BodyTooLarge(self.max_mb))(scope, receive, send)
             return
         received = 0
 
@@ -55,7 +56,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                    raise BodyTooLarge(self.max_mb)
             return message
 
         await self.app(scope, limited, send)
@@ -146,7 +147,7 @@ def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | No
 
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", list_models), *routes_for(spec.task)],
-        middleware=[Middleware(RequestLog), Middleware(BodyLimit, max_bytes=spec.max_request_bytes)],
+        middleware=[Middleware(RequestLog), Middleware(BodyLimit, max_mb=spec.max_request_mb)],
         exception_handlers={ModelServerError: _model_server_error, HTTPException: _http_error, Exception: _unexpected},
         lifespan=lifespan,
     )

@@ -11,7 +11,9 @@ wins over the config file (``--config/--model`` then only name things in logs).
 
 The server answers at once (``/health`` 503 "loading") while a loader thread loads the
 engine. A model that cannot load logs ``failed to load <name>: <reason>`` and the process
-exits with status 1 (2 for a bad command line or config). SIGTERM stops it gracefully.
+exits with status 1 (2 for a bad command line or config). SIGTERM stops it gracefully
+(in-flight requests get ``GRACEFUL_SHUTDOWN_S``); uvicorn then re-raises the signal, so
+the parent sees the process ended by SIGTERM.
 """
 
 from __future__ import annotations

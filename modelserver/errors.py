@@ -76,9 +76,9 @@ class BodyTooLarge(RequestError):
     status = 413
     code = "request_too_large"
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_mb: float) -> None:
         super().__init__(
-            f"request body is larger than the limit of {limit_bytes / (1024 * 1024):g} MiB (max_request_mb); "
+            f"request body is larger than the limit of {limit_mb:g} MiB (max_request_mb); "
             "send a smaller body or raise max_request_mb for this model"
         )
 

@@ -10,13 +10,17 @@ from collections.abc import Sequence
 
 from starlette.routing import BaseRoute
 
-from modelserver.api import chat, embeddings
+from modelserver.api import audio, chat, embeddings, rerank, vlm
 
 __all__ = ["TASK_ROUTES", "routes_for"]
 
 TASK_ROUTES: dict[str, Sequence[BaseRoute]] = {
     "llm": chat.routes,
     "embeddings": embeddings.routes,
+    "rerank": rerank.routes,
+    "transcription": audio.transcription_routes,
+    "speech": audio.speech_routes,
+    "vlm": vlm.routes,
 }
 
 

@@ -19,6 +19,15 @@ ENGINES: dict[tuple[str, str], str] = {
     ("openvino", "llm"): "modelserver.engines.llm:load",
     ("fake", "llm"): "modelserver.engines.fake:load_text_generator",
     ("fake", "embeddings"): "modelserver.engines.fake:load_embedder",
+    ("openvino", "embeddings"): "modelserver.engines.embeddings:load",
+    ("openvino", "rerank"): "modelserver.engines.rerank:load",
+    ("openvino", "transcription"): "modelserver.engines.transcription:load",
+    ("openvino", "speech"): "modelserver.engines.speech:load",
+    ("openvino", "vlm"): "modelserver.engines.vlm:load",
+    ("fake", "rerank"): "modelserver.engines.fake_media:load_reranker",
+    ("fake", "transcription"): "modelserver.engines.fake_media:load_transcriber",
+    ("fake", "speech"): "modelserver.engines.fake_media:load_speech",
+    ("fake", "vlm"): "modelserver.engines.fake_media:load_vlm",
 }
 
 
