@@ -1,0 +1,78 @@
+"""``/v1/chat/completions`` with images (task vlm), and ``/v1/completions`` as for an LLM.
+
+Content parts of type ``image_url`` (``{"url": "data:image/png;base64,..."}`` or the
+bare string) are decoded here and replaced by an image tag at their place in the turn's
+text; ``http(s)`` URLs are refused (this server makes no outbound calls). Everything
+after that (stop strings, streaming, usage, errors) is the chat handler of the LLM task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from modelserver.api import chat
+from modelserver.api.common import note, read_body, spec
+from modelserver.engines.base import ChatTurn
+from modelserver.engines.media_base import VisionRequest, image_tag
+from modelserver.errors import RequestError, UnsupportedParameter
+from modelserver.images import decode_data_url
+from modelserver.protocol import ChatCompletionRequest, ChatMessage, ChatShape, ContentPart
+
+__all__ = ["routes", "vision_turns"]
+
+
+def _image_url(part: ContentPart, where: str) -> str:
+    value: Any = (part.model_extra or {}).get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError(f'{where}.image_url: expected {{"url": "data:image/...;base64,..."}}', param="messages")
+    return url
+
+
+def _turn(message: ChatMessage, index: int, images: list[Any]) -> ChatTurn:
+    if message.role == "tool":
+        raise UnsupportedParameter(f"messages[{index}].role: tool messages are not supported", param="messages")
+    role = "system" if message.role == "developer" else message.role
+    if message.content is None or isinstance(message.content, str):
+        return ChatTurn(role, message.content or "")
+    pieces = []
+    for j, part in enumerate(message.content):
+        where = f"messages[{index}].content[{j}]"
+        if part.type == "text" and part.text is not None:
+            pieces.append(part.text)
+        elif part.type == "image_url":
+            images.append(decode_data_url(_image_url(part, where), f"{where}.image_url.url"))
+            pieces.append(image_tag(len(images) - 1))
+        else:
+            raise UnsupportedParameter(
+                f"{where}: content part of type {part.type!r} is not supported; send 'text' and 'image_url' parts",
+                param="messages",
+            )
+    return ChatTurn(role, "\n".join(pieces))
+
+
+def vision_turns(messages: list[ChatMessage]) -> tuple[tuple[ChatTurn, ...], tuple[Any, ...]]:
+    """Turns with image tags, and the decoded images in tag order; 400 for anything undecodable."""
+    images: list[Any] = []
+    turns = tuple(_turn(message, i, images) for i, message in enumerate(messages))
+    return turns, tuple(images)
+
+
+async def vlm_chat_completions(request: Request) -> Response:
+    body = await read_body(request, ChatCompletionRequest)
+    body.refuse_unsupported()
+    turns, images = await asyncio.to_thread(vision_turns, body.messages)
+    note(request, images=len(images))
+    generation = VisionRequest(chat.sampling(body, spec(request).default_max_tokens), turns, images)
+    return await chat._respond(request, body, generation, ChatShape(spec(request).name))  # type: ignore[arg-type]
+
+
+routes = [
+    Route("/v1/chat/completions", vlm_chat_completions, methods=["POST"]),
+    *(route for route in chat.routes if isinstance(route, Route) and route.path == "/v1/completions"),
+]

@@ -1,0 +1,178 @@
+"""Task ``vlm`` on OpenVINO: ``openvino_genai.VLMPipeline`` (LLaVA, Qwen2-VL, Phi-3.5-vision, ...).
+
+A ``VLMPipeline`` serves one generation at a time, so requests run in turn on the model's
+:class:`~modelserver.engines.media_base.SerialWorker`. The pipeline's streamer callback
+pushes each text delta onto the request's asyncio queue; when the client goes away the
+callback answers ``CANCEL`` and the generation stops at the next token. Images sit where
+the message put them, as openvino_genai's ``<ov_genai_image_N>`` tags in the turn's text;
+the chat template is the model's own (applied by the pipeline to the ``ChatHistory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import openvino as ov
+import openvino_genai as ov_genai
+
+from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
+from modelserver.engines.llm import _set_penalties, _set_sampling
+from modelserver.engines.media_base import SerialWorker, VisionRequest
+from modelserver.engines.ov_options import one_line, ov_properties
+from modelserver.engines.task_options import ir_folder, task_options
+from modelserver.errors import LoadError, RequestError
+from modelserver.spec import ModelSpec
+
+__all__ = ["OpenVINOVisionGenerator", "VisionStream", "load"]
+
+log = logging.getLogger(__name__)
+
+#: ("delta", text) | ("done", prompt_tokens, completion_tokens) | an exception
+Event = tuple[Any, ...] | BaseException
+
+
+class VisionStream:
+    """One generation: text deltas from the pipeline thread; counts are final once iteration ends."""
+
+    def __init__(self, events: asyncio.Queue[Event], cancelled: threading.Event, max_tokens: int) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self._events = events
+        self._cancelled = cancelled
+        self._max_tokens = max_tokens
+        self._gen = self._deltas()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._gen
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        try:
+            while self.finish_reason is None:
+                event = await self._events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event[0] == "delta":
+                    if event[1]:
+                        yield event[1]
+                    continue
+                self.prompt_tokens, self.completion_tokens = event[1], event[2]
+                self.finish_reason = "length" if self.completion_tokens >= self._max_tokens else "stop"
+        finally:
+            if self.finish_reason is None:
+                self._cancelled.set()
+
+    async def aclose(self) -> None:
+        if self.finish_reason is None:
+            self._cancelled.set()
+        await self._gen.aclose()  # type: ignore[attr-defined]
+
+
+class OpenVINOVisionGenerator:
+    def __init__(self, spec: ModelSpec, pipe: Any, load_s: float) -> None:
+        self._spec = spec
+        self._pipe = pipe
+        self._defaults = pipe.get_generation_config()
+        self._load_s = load_s
+        self._worker = SerialWorker(f"vlm-{spec.name}")
+        self.running = 0
+        self.completed = 0
+        self.cancelled = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": "openvino VLMPipeline",
+            "device": self._spec.device,
+            "eos_token_id": self._defaults.eos_token_id,
+            "load_s": round(self._load_s, 2),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": self.running, "completed": self.completed, "cancelled": self.cancelled}
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def generate(self, request: VisionRequest | GenerationRequest) -> VisionStream:
+        """A chat (with images) or, for ``/v1/completions``, a raw prompt without the chat template."""
+        config = self._generation_config(request.sampling)
+        prompt: Any = request.prompt if isinstance(request, GenerationRequest) else None
+        if prompt is None:
+            prompt = ov_genai.ChatHistory()
+            for turn in request.messages or ():
+                prompt.append({"role": turn.role, "content": turn.content})
+        else:
+            config.apply_chat_template = False
+        images = [ov.Tensor(image[None]) for image in getattr(request, "images", ())]
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        cancelled = threading.Event()
+        deliver = _deliverer(asyncio.get_running_loop(), events)
+        self._worker.submit(lambda: self._run(prompt, images, config, deliver, cancelled))
+        return VisionStream(events, cancelled, request.sampling.max_tokens)
+
+    def _run(self, prompt: Any, images: list[Any], config: Any, deliver: Callable[[Event], None],
+             cancelled: threading.Event) -> None:
+        """On the worker thread: the whole generation, reported through ``deliver``."""
+        if cancelled.is_set():
+            self.cancelled += 1
+            return
+
+        def streamer(text: str) -> Any:
+            deliver(("delta", text))
+            return ov_genai.StreamingStatus.CANCEL if cancelled.is_set() else ov_genai.StreamingStatus.RUNNING
+
+        self.running += 1
+        try:
+            result = self._pipe.generate(prompt, images=images, generation_config=config, streamer=streamer)
+        except Exception as exc:
+            deliver(exc)
+            return
+        finally:
+            self.running -= 1
+        metrics = result.perf_metrics
+        if cancelled.is_set():
+            self.cancelled += 1
+            log.info("vlm generation cancelled after %d tokens", metrics.get_num_generated_tokens())
+        else:
+            self.completed += 1
+        deliver(("done", int(metrics.get_num_input_tokens()), int(metrics.get_num_generated_tokens())))
+
+    def _generation_config(self, sampling: SamplingParams) -> Any:
+        config = ov_genai.GenerationConfig()
+        config.eos_token_id = self._defaults.eos_token_id
+        config.stop_token_ids = self._defaults.stop_token_ids
+        config.max_new_tokens = sampling.max_tokens
+        config.ignore_eos = sampling.ignore_eos
+        _set_sampling(config, sampling, self._defaults)
+        _set_penalties(config, sampling)
+        try:
+            config.validate()
+        except Exception as exc:
+            raise RequestError(f"invalid generation parameters: {one_line(exc)}") from None
+        return config
+
+
+def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    def deliver(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    return deliver
+
+
+def load(spec: ModelSpec) -> OpenVINOVisionGenerator:
+    started = time.monotonic()
+    path = ir_folder(spec, ("openvino_language_model.xml", "openvino_tokenizer.xml"))
+    task_options(spec, {})
+    try:
+        pipe = ov_genai.VLMPipeline(str(path), spec.device, **ov_properties(spec))
+    except Exception as exc:
+        raise LoadError(one_line(exc)) from None
+    return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started)
