@@ -75,13 +75,15 @@ class _ProxyEndpoint:
         except RouterError as exc:
             status = exc.status
             await send_error(send, exc)
+        except Exception:  # never a traceback or an HTML page to the client
+            log.exception("unhandled error proxying %s", scope["path"])
+            await send_error(send, RouterError("internal router error; see the router log"))
         finally:
             self._count(name, status, time.perf_counter() - started)
 
     def _count(self, name: str, status: int, elapsed_s: float) -> None:
         if name in self.service.registry.models:
-            self.service.metrics.requests.labels(name, str(status)).inc()
-            self.service.metrics.request_duration.labels(name).observe(elapsed_s)
+            self.service.metrics.observe_request(name, status, elapsed_s)
 
     async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
         registry = self.service.registry
@@ -150,7 +152,7 @@ def _routes(service: RouterService) -> list[Route]:
         check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]
+    routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]  # see _FastPath
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     routes += [
         Route("/v1/models", list_models, methods=["GET"]),
@@ -185,7 +187,25 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
                     status_code=500, media_type="application/json")
 
 
-def build_app(config: Config, service: RouterService | None = None) -> Starlette:
+class _FastPath:
+    """Sends ``POST`` to the OpenAI routes straight to the proxy endpoint, everything else
+    (and the lifespan) through Starlette: routing and middleware cost a proxied request
+    tens of microseconds it does not need."""
+
+    def __init__(self, app: Starlette, service: RouterService) -> None:
+        self.app = app
+        self.service = service
+        self._proxy = _ProxyEndpoint(service)
+        self._paths = frozenset(OPENAI_ROUTES)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self._paths:
+            await self._proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def build_app(config: Config, service: RouterService | None = None) -> _FastPath:
     """A router app for ``config``; model processes start and stop with its lifespan."""
     service = service or RouterService(config)
 
@@ -203,5 +223,5 @@ def build_app(config: Config, service: RouterService | None = None) -> Starlette
         exception_handlers={HTTPException: _http_error, RouterError: _router_error, Exception: _unexpected},
     )
     app.state.service = service
-    return app
+    return _FastPath(app, service)
 

@@ -70,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         http="httptools",
         log_level=args.log_level,
         access_log=False,
+        proxy_headers=False,  # the router is the edge; its ProxyHeadersMiddleware costs every request
         timeout_graceful_shutdown=int(config.router.shutdown_timeout_s) or None,
     )
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["Metrics"]
@@ -42,12 +44,28 @@ class Metrics:
         self.reloads = Counter("ovrouter_config_reloads", "config reloads", ["result"], registry=r)
         self.config_valid = Gauge("ovrouter_config_valid", "0 while the file on disk fails validation", registry=r)
         self.config_valid.set(1)
+        self._request_children: dict[tuple[str, int], Any] = {}
+        self._duration_children: dict[str, Any] = {}
+
+    def observe_request(self, model: str, status: int, elapsed_s: float) -> None:
+        """The hot path's metrics, with the labelled children cached (``labels()`` costs a lock)."""
+        key = (model, status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self._request_children[key] = self.requests.labels(model, str(status))
+        duration = self._duration_children.get(model)
+        if duration is None:
+            duration = self._duration_children[model] = self.request_duration.labels(model)
+        counter.inc()
+        duration.observe(elapsed_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def forget(self, model: str) -> None:
         """Drop the per-model series of a model that left the config."""
+        self._request_children = {k: v for k, v in self._request_children.items() if k[0] != model}
+        self._duration_children.pop(model, None)
         for metric in (self.loaded, self.in_flight, self.queued):
             try:
                 metric.remove(model)

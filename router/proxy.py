@@ -18,18 +18,17 @@ server sees the disconnect and cancels the generation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from starlette.types import Message, Receive, Send
 
 from procman import BackendUnavailable, InBackoff, Lease
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
+from router.httpclient import UpstreamError, UpstreamResponse, UpstreamTimeout
 from router.registry import Model
 from router.upstream import UpstreamPool
 
@@ -81,8 +80,8 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list
     return headers
 
 
-def _response_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower().decode("latin-1") not in RESPONSE_DROP]
+def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
 
 
 async def send_error(send: Send, exc: RouterError) -> None:
@@ -121,22 +120,18 @@ async def _exchange(
 ) -> int | None:
     """One try. Returns the status relayed, or None to ask for one retry on a fresh backend."""
     spec = model.spec
-    session = pool.session(lease.address)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=spec.stream_idle_timeout_s)
     try:
-        async with asyncio.timeout(spec.request_timeout_s):
-            resp = await session.request(
-                req.method, lease.address.base_url + req.path, data=req.body or None,
-                headers=req.headers, timeout=timeout, allow_redirects=False,
-            )
-    except TimeoutError:
+        resp = await pool.pool(lease.address).request(
+            req.method, req.path, req.headers, req.body, head_timeout_s=spec.request_timeout_s
+        )
+    except UpstreamTimeout:
         raise GatewayTimeout(
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"
         ) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         return await _backend_failed(model, req, lease, exc, may_retry)
     try:
-        if resp.headers.get("x-backend-fatal") == "1":
+        if resp.header(b"x-backend-fatal") == b"1":
             return await _fatal(model, req, lease, resp, may_retry)
         return await _relay(model, resp, send)
     finally:
@@ -167,9 +162,12 @@ async def _wait_replaced(model: Model, lease: Lease) -> bool:
 
 
 async def _fatal(
-    model: Model, req: ProxyRequest, lease: Lease, resp: aiohttp.ClientResponse, may_retry: bool
+    model: Model, req: ProxyRequest, lease: Lease, resp: UpstreamResponse, may_retry: bool
 ) -> int | None:
-    detail = _error_message(await resp.read())
+    try:
+        detail = _error_message(await resp.read(idle_timeout_s=5.0))
+    except UpstreamError:
+        detail = "no detail"
     log.warning("%s reported a fatal engine error (%s); restarting it", model.spec.name, detail)
     restart = model.backend.restart("fatal", generation=lease.generation)
     if _can_retry(model, req, may_retry):
@@ -195,29 +193,29 @@ def _error_message(body: bytes) -> str:
         return body[:300].decode("utf-8", "replace") or "no detail"
 
 
-async def _relay(model: Model, resp: aiohttp.ClientResponse, send: Send) -> int:
+async def _relay(model: Model, resp: UpstreamResponse, send: Send) -> int:
     await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
-    length = resp.content_length
+    idle_s = model.spec.stream_idle_timeout_s
     try:
-        if length is not None and length <= SMALL_BODY:
-            await send({"type": "http.response.body", "body": await resp.read()})
+        if resp.complete or (resp.content_length or SMALL_BODY + 1) <= SMALL_BODY:
+            await send({"type": "http.response.body", "body": await resp.read(idle_s)})
             return resp.status
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_chunks(idle_s):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except UpstreamError as exc:
         await _end_broken_stream(model, resp, send, exc)
         raise _Relayed(resp.status) from None
     await send({"type": "http.response.body", "body": b""})
     return resp.status
 
 
-async def _end_broken_stream(model: Model, resp: aiohttp.ClientResponse, send: Send, exc: Exception) -> None:
-    if isinstance(exc, TimeoutError):
+async def _end_broken_stream(model: Model, resp: UpstreamResponse, send: Send, exc: UpstreamError) -> None:
+    if isinstance(exc, UpstreamTimeout):
         reason = f"sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
     else:
         reason = "stopped answering mid-response (the process may have died; it is being restarted)"
     log.warning("%s %s: %s", model.spec.name, reason, exc)
-    if resp.content_type == "text/event-stream":
+    if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
         error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
                            "code": "backend_error"}}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode(),
@@ -228,46 +226,44 @@ async def _end_broken_stream(model: Model, resp: aiohttp.ClientResponse, send: S
 async def run_until_disconnect(
     work: Callable[[Send], Awaitable[int]], receive: Receive, send: Send
 ) -> tuple[int, bool]:
-    """Run ``work`` while watching for the client going away; returns (status, disconnected).
-
-    ``work`` gets a ``send`` that remembers whether response headers went out, so an
-    error raised afterwards is not answered with a second response."""
+    """Run ``work`` in this task while a watcher waits for the client going away; returns
+    (status, disconnected). A disconnect cancels ``work``; its ``finally`` blocks close the
+    upstream. ``work`` gets a ``send`` that remembers whether response headers went out, so
+    an error raised afterwards is not answered with a second response."""
+    me = asyncio.current_task()
+    assert me is not None
     started: list[int] = []
+    state = {"done": False, "gone": False}
 
     async def tracking_send(message: Message) -> None:
         if message["type"] == "http.response.start":
             started.append(message["status"])
+        elif not message.get("more_body", False):
+            state["done"] = True  # from here on a "disconnect" is just the end of the exchange
         await send(message)
 
-    task = asyncio.ensure_future(work(tracking_send))
-    watcher = asyncio.ensure_future(_disconnected(receive))
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not state["done"]:
+            state["gone"] = True
+            me.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
-    if not task.done() or task.cancelled():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        return await work(tracking_send), False
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        me.uncancel()
         return (started[0] if started else 499), True
-    return await _outcome(task, started, tracking_send)
-
-
-async def _outcome(task: asyncio.Future[int], started: list[int], send: Send) -> tuple[int, bool]:
-    try:
-        return task.result(), False
     except _Relayed as relayed:
         return relayed.status, False
     except RouterError as exc:
         if started:
             return started[0], False
-        await send_error(send, exc)
+        await send_error(tracking_send, exc)
         return exc.status, False
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    finally:
+        state["done"] = True
+        watcher.cancel()
