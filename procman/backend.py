@@ -176,7 +176,7 @@ class Backend:
         return task if task is not None and not task.done() else None
 
     async def _ready_locked(self, joined: asyncio.Task[Address] | None) -> Address:
-        if joined is not None and not joined.cancelled() and (error := joined.exception()) is not None:
+        if joined is not None and joined.done() and not joined.cancelled() and (error := joined.exception()):
             raise error  # the start we queued behind failed: the same answer for everyone who waited
         if self._closed:
             raise BackendClosed(f"{self.name} was removed or is shutting down")
