@@ -23,7 +23,15 @@ from typing import Any
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 
-__all__ = ["ModelSource", "one_line", "ov_properties", "prepare_source", "scheduler_config"]
+__all__ = [
+    "ModelSource",
+    "converted_dir",
+    "finish_conversion",
+    "one_line",
+    "ov_properties",
+    "prepare_source",
+    "scheduler_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +55,11 @@ def scheduler_config(fields: dict[str, Any]) -> Any:
     for key, value in fields.items():
         if key not in known:
             raise LoadError(f"scheduler.{key}: not a SchedulerConfig field (known: {', '.join(known)})")
+        expected = type(getattr(config, key)).__name__
         try:
             setattr(config, key, value)
-        except (TypeError, ValueError) as exc:
-            raise LoadError(f"scheduler.{key}: cannot set {value!r}: {one_line(exc)}") from None
+        except (TypeError, ValueError):
+            raise LoadError(f"scheduler.{key}: expected {expected}, got {value!r}") from None
     return config
 
 

@@ -1,0 +1,69 @@
+"""Loading real OpenVINO models: failures exit non-zero with one clear line; save_ov_model converts once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from modelserver_helpers import modelserver, spawn_modelserver
+
+from modelserver.spec import build_model_spec
+
+pytestmark = pytest.mark.real_model
+
+
+def assert_fails_to_load(raw: dict[str, Any], *needles: str) -> None:
+    server = spawn_modelserver(spec=build_model_spec("broken", raw))
+    try:
+        assert server.wait_exit(timeout_s=120) == 1
+        lines = [line for line in server.log_text().splitlines() if "failed to load broken: " in line]
+        assert len(lines) == 1, server.log_text()
+        for needle in needles:
+            assert needle in lines[0]
+    finally:
+        server.stop()
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    assert_fails_to_load({"path": str(tmp_path / "nope.gguf")}, "model path does not exist", "nope.gguf")
+
+
+def test_not_a_model_file(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("not a gguf", encoding="utf-8")
+    assert_fails_to_load({"path": str(fake)}, "fake.gguf")
+
+
+def test_unknown_scheduler_field_is_named(demo_gguf: Path) -> None:
+    assert_fails_to_load(
+        {"path": str(demo_gguf), "scheduler": {"max_num_seqz": 4}}, "scheduler.max_num_seqz", "max_num_seqs"
+    )
+
+
+def test_wrong_scheduler_value_type_is_named(demo_gguf: Path) -> None:
+    assert_fails_to_load(
+        {"path": str(demo_gguf), "scheduler": {"max_num_seqs": "many"}}, "scheduler.max_num_seqs: expected int"
+    )
+
+
+def test_bad_ov_config_property_is_named(demo_gguf: Path) -> None:
+    assert_fails_to_load({"path": str(demo_gguf), "ov_config": {"NOT_A_PROPERTY": 1}}, "NOT_A_PROPERTY")
+
+
+def test_save_ov_model_converts_once_then_loads_the_ir(demo_gguf: Path, tmp_path: Path) -> None:
+    raw = {"path": str(demo_gguf), "save_ov_model": True, "state_dir": str(tmp_path), "scheduler": {"max_num_seqs": 4}}
+    spec = build_model_spec("smollm2", raw)
+    converted = tmp_path / "converted" / "smollm2"
+    with modelserver(spec=spec, ready_timeout_s=180) as first:
+        assert "(gguf (converting to IR))" in first.log_text()
+    assert (converted / "openvino_model.xml").is_file()
+    assert (converted / "openvino_model.bin").is_file()
+    assert json.loads((converted / "source.json").read_text())["source"] == str(demo_gguf.resolve())
+    assert not (converted / demo_gguf.name).exists()  # the link used for the conversion is gone
+    with modelserver(spec=spec, ready_timeout_s=180) as second, second.client() as client:
+        assert f"source={converted} (converted IR)" in second.log_text()
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        answer = client.post("/v1/chat/completions", json=body).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"]

@@ -1,0 +1,197 @@
+"""The real OpenVINO pipeline on SmolLM2-135M behind ``python -m modelserver``, through the official SDK.
+
+One server for the module (greedy decoding, so answers are deterministic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from modelserver_helpers import ModelServerProcess, modelserver
+
+from modelserver.spec import build_model_spec
+
+pytestmark = pytest.mark.real_model
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def server(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProcess]:
+    cache = tmp_path_factory.mktemp("ov-cache")
+    spec = build_model_spec("smollm2", {"path": str(demo_gguf), "cache_dir": str(cache), "default_max_tokens": 64})
+    with modelserver(spec=spec, ready_timeout_s=180) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: ModelServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+def test_france_question_answers_paris(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0)
+    assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens > 10  # the chat template's system prompt is counted
+    assert 0 < answer.usage.completion_tokens < 64
+
+
+def test_stream_yields_several_chunks_and_a_final_usage(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=FRANCE, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) >= 4
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    usage = chunks[-1].usage
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+
+def test_max_tokens_5_ends_with_length_and_5_tokens(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=5)
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and answer.usage.completion_tokens == 5
+    completion = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5)
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    assert "Paris" in completion.choices[0].text
+
+
+def test_stop_string_is_honoured_streamed_and_not(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, stop=["Paris"])
+    text = answer.choices[0].message.content or ""
+    assert text.startswith("The capital of France is")
+    assert "Par" not in text
+    assert answer.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, stop="Paris", stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+
+
+def test_multibyte_characters_stream_whole(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Write a smiley emoji."}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=30)
+    text = whole.choices[0].message.content or ""
+    assert any(ord(ch) > 0xFFFF for ch in text), text  # this prompt answers with emoji: 4 bytes, several tokens
+    stream = client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=30, stream=True
+    )
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text
+
+
+async def test_four_concurrent_streams_are_batched_and_complete(server: ModelServerProcess) -> None:
+    questions = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Japan": "Tokyo"}
+    events: list[tuple[str, str]] = []
+
+    async def ask(sdk: openai.AsyncOpenAI, country: str) -> str:
+        stream = await sdk.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": f"What is the capital of {country}?"}],
+            temperature=0,
+            stream=True,
+        )
+        parts = []
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                events.append(("token", country))
+                parts.append(chunk.choices[0].delta.content)
+        events.append(("done", country))
+        return "".join(parts)
+
+    async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as sdk:
+        answers = await asyncio.gather(*(ask(sdk, country) for country in questions))
+    for (country, capital), answer in zip(questions.items(), answers, strict=True):
+        assert capital in answer, (country, answer)
+    first_done = next(i for i, (kind, _) in enumerate(events) if kind == "done")
+    started = {country for kind, country in events[:first_done] if kind == "token"}
+    assert started == set(questions), "every stream produced tokens before the first one finished"
+
+
+def test_disconnect_cancels_the_generation_and_frees_the_slot(server: ModelServerProcess) -> None:
+    before = server.health().json()
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    received = 0
+    with server.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        for line in response.iter_lines():
+            received += line.startswith("data: ")
+            if received == 5:
+                break  # closing the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = server.health().json()
+        if health["cancelled"] == before["cancelled"] + 1 and health["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["cancelled"] == before["cancelled"] + 1
+    assert health["running"] == 0
+    assert health["completed"] == before["completed"]
+    assert "cancelled after" in server.log_text()
+    with server.client() as http:
+        follow_up = http.post("/v1/chat/completions", json={"messages": FRANCE, "temperature": 0, "max_tokens": 12})
+    assert "Paris" in follow_up.json()["choices"][0]["message"]["content"]
+
+
+def test_bad_sampling_values_are_400_and_the_server_keeps_serving(server: ModelServerProcess) -> None:
+    with server.client() as http:
+        response = http.post("/v1/chat/completions", json={"messages": FRANCE, "temperature": -1})
+        assert response.status_code == 400
+        assert "temperature" in response.json()["error"]["message"]
+        sampled = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": FRANCE,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "seed": 7,
+                "presence_penalty": 0.5,
+                "max_tokens": 8,
+            },
+        )
+        assert sampled.status_code == 200
+        assert sampled.json()["usage"]["completion_tokens"] <= 8
+        assert http.get("/health").status_code == 200
+
+
+def test_one_log_line_per_request_and_model_properties_at_start(server: ModelServerProcess) -> None:
+    with server.client() as http:
+        http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    log = server.log_text()
+    assert "loaded smollm2 (task llm)" in log
+    assert "eos_token_id=" in log
+    assert "POST /v1/completions 200" in log
+    assert "completion_tokens=3 finish=length" in log
+
+
+def test_a_request_before_the_server_is_ready_gets_503_loading(demo_gguf: Path) -> None:
+    spec = build_model_spec("late", {"path": str(demo_gguf)})
+    with modelserver(spec=spec, wait=False) as late:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                response = late.health()
+                break
+            except httpx.TransportError:
+                time.sleep(0.02)
+        assert (response.status_code, response.json()["status"]) == (503, "loading")
