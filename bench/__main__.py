@@ -65,8 +65,16 @@ def _loadgen(choice: str, tools: deps.Tools) -> Tool:
     return "wrk"
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _loadgen_note(loadgen: Tool, choice: str) -> str:
+    if loadgen == "wrk":
+        return "wrk (one thread, `bench/wrk_post.lua` POSTs the body; percentiles from wrk's record of every request)"
+    why = "chosen with --loadgen asyncio" if choice == "asyncio" else "wrk is not installed (`make bench-deps`)"
+    return f"the bench's asyncio generator (uvloop + httptools, every request's latency kept), {why}"
+
+
+def _sigterm_as_sigint(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM takes Ctrl-C's path: KeyboardInterrupt in sync code, task cancellation inside asyncio.Runner."""
+    signal.raise_signal(signal.SIGINT)
 
 
 def _run_section(key: str, ctx: Context) -> Section:
@@ -93,12 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     tools = deps.detect()
     loadgen = _loadgen(args.loadgen, tools)
     if loadgen == "asyncio" and args.loadgen == "auto":
         log.warning("wrk not found (make bench-deps installs it): using the asyncio load generator")
     machine = report.machine_info(tools)
+    machine["loadgen"] = _loadgen_note(loadgen, args.loadgen)
     keys = args.only or list(SECTIONS)
     tmp = Path(tempfile.mkdtemp(prefix="ovr-bench-"))
     sections: list[Section] = []

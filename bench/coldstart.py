@@ -72,7 +72,7 @@ def run(ctx: Context) -> Section:
     section = Section("coldstart", "Cold start: request to first token for a stopped model")
     tmp = ctx.section_tmp("coldstart")
     state = tmp / "state"
-    router = start_router(ctx.procs, tmp, router_config(state, {MODEL: real_model()}))
+    router = start_router(ctx.procs, tmp, router_config(state, {MODEL: real_model()}), name="coldstart-router")
     warm_started = time.perf_counter()
     router.load(MODEL)  # converts to IR and fills the cache: the first start ever is not a cold start
     first_load_s = time.perf_counter() - warm_started

@@ -6,7 +6,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +18,7 @@ from bench.procs import Procs
 __all__ = [
     "Context",
     "env_without_proxies",
+    "extreme",
     "pid_alive",
     "rss_mb",
     "Section",
@@ -105,8 +106,14 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 
 def median(values: Sequence[float]) -> float:
+    """Median of the non-NaN values (NaN marks a sample that did not happen, e.g. no recovery)."""
     clean = [v for v in values if not math.isnan(v)]
     return statistics.median(clean) if clean else float("nan")
+
+
+def extreme(values: Sequence[float], pick: Callable[[Sequence[float]], float]) -> float:
+    clean = [v for v in values if not math.isnan(v)]
+    return pick(clean) if clean else float("nan")
 
 
 def percentile(values: Sequence[float], pct: float) -> float:

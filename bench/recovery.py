@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 import aiohttp
 
 from bench import plots
-from bench.common import Context, Section, Table, median
+from bench.common import Context, Section, Table, extreme, median
 from bench.realmodel import DEMO_GGUF, real_model
 from bench.routerctl import Router, fake_model, router_config, start_router
 
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 
 STEADY_RPS = 100.0
 CLIENTS = 4
+RECOVERY_LIMIT_S = 60.0  # an episode gives up (and says so) when no answer succeeds by then
+REQUEST_TIMEOUT_S = 20.0
 CHAT = "/v1/chat/completions"
 
 
@@ -86,7 +89,7 @@ async def _steady(session: aiohttp.ClientSession, url: str, model: str, stop: as
 
 
 async def _probe(session: aiohttp.ClientSession, url: str, model: str, episode: Episode, t0: float) -> None:
-    deadline = t0 + 300
+    deadline = t0 + RECOVERY_LIMIT_S
     while time.perf_counter() < deadline:
         episode.probes += 1
         if await _post(session, url, _body(model, "probe")) == 200:
@@ -99,7 +102,7 @@ async def _probe(session: aiohttp.ClientSession, url: str, model: str, episode: 
 async def _episode(router: Router, episode: Episode, inject: Callable[[aiohttp.ClientSession], Awaitable[None]],
                    settle_s: float) -> None:
     url = router.url + CHAT
-    timeout = aiohttp.ClientTimeout(total=300, connect=5)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         stop = asyncio.Event()
         raw: list[tuple[float, float, int]] = []
@@ -135,9 +138,14 @@ def _run_episode(router: Router, model: str, fault: str, settle_s: float) -> Epi
 
 
 def _models(ctx: Context) -> dict[str, object]:
-    models: dict[str, object] = {"fake": fake_model(load_s=0.2, preload=True, max_concurrency=64, max_queue=256)}
+    # retry_on_fatal off: the marker is in the request, so a retry would hit [[fatal]] again and cost a second
+    # restart (plus a backoff); a real fatal error (device lost) belongs to the process, not to the request.
+    # stable_after_s 0.5: each episode starts on a backend that has been READY long enough to count as stable,
+    # so every fault is a "first failure" (relaunched at once) rather than climbing the backoff ladder.
+    limits = {"preload": True, "max_concurrency": 64, "max_queue": 256, "retry_on_fatal": False, "stable_after_s": 0.5}
+    models: dict[str, object] = {"fake": fake_model(load_s=0.2, **limits)}
     if Path(DEMO_GGUF).exists() and not ctx.quick:
-        models["smollm2"] = {**real_model(), "preload": True}
+        models["smollm2"] = {**real_model(), **limits}
     return models
 
 
@@ -154,11 +162,12 @@ def _rows(episodes: list[Episode]) -> list[list[object]]:
 def run(ctx: Context) -> Section:
     section = Section("recovery", "Recovery from a fatal error and from kill -9")
     tmp = ctx.section_tmp("recovery")
-    router = start_router(ctx.procs, tmp, router_config(tmp / "state", _models(ctx), {"health_interval_s": 1}))
+    config = router_config(tmp / "state", _models(ctx), {"health_interval_s": 1})
+    router = start_router(ctx.procs, tmp, config, name="recovery-router")
     for name in _models(ctx):
         router.load(name)  # preload: wait until READY
     repeats = ctx.count(3, 1)
-    settle_s = ctx.scale(1.0, 0.3)
+    settle_s = ctx.scale(1.5, 0.8)
     faults = [("fake", "[[fatal]]"), ("fake", "kill -9")]
     if "smollm2" in _models(ctx):
         faults.append(("smollm2", "kill -9"))
@@ -167,16 +176,24 @@ def run(ctx: Context) -> Section:
         f"Steady load: {CLIENTS} clients pacing {STEADY_RPS:.0f} requests/s in all (4-token chats) through the router "
         f"for {settle_s:.1f} s before and after the fault. The fault is injected at t0: a `[[fatal]]` chat "
         "(the fake engine answers 500 + `X-Backend-Fatal: 1`) or SIGKILL of the model server's pid from "
-        "`/api/models`. Recovery = t0 -> the next successful answer of a probe that retries back to back."
+        "`/api/models`. Recovery = t0 -> the next successful answer of a probe that retries back to back "
+        "(5 ms apart, ignoring `Retry-After`, as does the steady load). Config: `retry_on_fatal: false` (the marker "
+        "travels with the request, so a retry would fault again), `stable_after_s: 0.5` (each fault is a first "
+        "failure: relaunched at once, no backoff), `health_interval_s: 1`."
     )
     headers = ["model", "fault", "fault answer", "recovery ms", "probes", "probe failures", "steady requests",
                "steady failed", "failed as", "pid", "new process"]
     section.tables.append(Table(headers, _rows(episodes), "One row per episode."))
     summary = []
+    stuck = [e for e in episodes if math.isnan(e.recovery_s)]
+    if stuck:
+        which = ", ".join(sorted({f"{e.model} {e.fault}" for e in stuck}))
+        section.notes.append(f"NOT RECOVERED: {len(stuck)} episode(s) had no successful answer within "
+                             f"{RECOVERY_LIMIT_S:.0f} s ({which}).")
     for model, fault in faults:
         times = [e.recovery_s * 1000 for e in episodes if e.model == model and e.fault == fault]
         failed = sum(e.steady_failed for e in episodes if e.model == model and e.fault == fault)
-        summary.append([model, fault, median(times), min(times), max(times), failed])
+        summary.append([model, fault, median(times), extreme(times, min), extreme(times, max), failed])
     section.tables.append(Table(["model", "fault", "median recovery ms", "min", "max", "steady failed (all episodes)"],
                                 summary))
     panels = {f"{e.model} {e.fault}": [(t, ms, status == 200) for t, ms, status in e.steady]

@@ -118,6 +118,7 @@ def _header_md(machine: dict[str, Any], args: str, total_s: float) -> list[str]:
         f"at end {end[0]:.2f}/{end[1]:.2f}/{end[2]:.2f} (anything above ~0.5 at start means a noisy neighbour)",
         f"- **Software:** Python {machine['python']}, {packages}",
         f"- **Tools:** {machine['wrk']}; {machine['nginx']}",
+        f"- **Load generator:** {machine.get('loadgen', 'unknown')}",
         f"- **Commit:** {machine['commit']}",
         "",
         "Every figure is measured in this run on this machine; ratios compare against a baseline from the same run. "

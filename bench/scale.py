@@ -57,7 +57,7 @@ def _ready_pids(router: Router) -> dict[str, int]:
 def _reload(router: Router, config: dict[str, Any], count: int, preloaded: int) -> dict[str, Any]:
     """Change one preloaded model, reload; time until it runs again with a new pid; who else changed."""
     before = _ready_pids(router)
-    changed = "fake-003"
+    changed = f"fake-{min(3, preloaded - 1):03d}"
     config["models"] = _models(count, preloaded, changed=changed)
     start = time.perf_counter()  # from the write: the config watcher may apply it before our POST does
     write_config(router.config_path, config)
@@ -78,11 +78,11 @@ def _reload(router: Router, config: dict[str, Any], count: int, preloaded: int) 
 
 
 def run(ctx: Context) -> Section:
-    section = Section("scale", "Scale: 100 configured models")
     count, preloaded = ctx.count(100, 20), ctx.count(PRELOADED, 3)
+    section = Section("scale", f"Scale: {count} configured models")
     tmp = ctx.section_tmp("scale")
     config = router_config(tmp / "state", _models(count, preloaded))
-    router = start_router(ctx.procs, tmp, config)
+    router = start_router(ctx.procs, tmp, config, name="scale-router")
     preload_s = router.start_s + wait_until(lambda: len(_ready_pids(router)) >= preloaded, 120, "preloads", 0.02)
     listed, body = _latencies(router, "/v1/models", ctx.count(200, 20))
     api, _ = _latencies(router, "/api/models", ctx.count(100, 10))
