@@ -88,8 +88,7 @@ def seeded() -> None:
 
 def build_minilm(models_dir: Path, out: Path) -> None:
     src = wheel_dir(models_dir, MINILM_WHEEL)
-    export(src, out, "feature-extraction")
-    write_json(out / "ovrouter.json", {"pooling": "mean", "normalize": True, "source": "sentence-transformers"})
+    export(src, out, "feature-extraction")  # serve it with options: {pooling: mean} (sentence-transformers)
 
 
 def build_rerank(models_dir: Path, out: Path) -> None:

@@ -1,0 +1,273 @@
+"""The real openvino_genai pipelines of every non-LLM task, through a running ``python -m modelserver``.
+
+The models come from ``make test-models`` (tools/build_test_models.py): all-MiniLM-L6-v2
+with its real weights, so its semantic ordering is asserted; the others are tiny
+random-weight models of the real architectures, so these tests assert shapes, formats
+and plumbing, not quality.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import soundfile
+from modelserver_helpers import ModelServerProcess, modelserver
+from tasks_helpers import assert_error, audio_file, image_data_url, sse_events
+
+from modelserver.errors import FATAL_HEADER
+from modelserver.spec import build_model_spec
+
+pytestmark = pytest.mark.real_model
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def model_path(name: str) -> str:
+    path = MODELS / name
+    if not (path / ".built").exists():
+        pytest.fail(f"{path} is missing: run `make test-models` (make test does it)")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ov-cache")
+
+
+def serve(name: str, task: str, folder: str, cache: Path, **settings: Any) -> Any:
+    """A real model server of ``folder`` (a module-scoped fixture enters it, so the leak check sees it as set-up)."""
+    raw = {"task": task, "path": model_path(folder), "cache_dir": str(cache), **settings}
+    return modelserver(spec=build_model_spec(name, raw), ready_timeout_s=180)
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+CAT, KITTEN, STOCKS = "A cat sits on the mat.", "A kitten is resting on a rug.", "Stock markets fell sharply today."
+
+
+@pytest.fixture(scope="module")
+def minilm(cache_dir: Path) -> Iterator[ModelServerProcess]:
+    options = {"pooling": "mean", "normalize": True}
+    with serve("minilm", "embeddings", "minilm-ov", cache_dir, options=options) as server:
+        yield server
+
+
+def test_minilm_ranks_by_meaning_through_the_openai_sdk(minilm: ModelServerProcess) -> None:
+    client = openai.OpenAI(base_url=minilm.base_url + "/v1", api_key="unused", max_retries=0)
+    result = client.embeddings.create(model="minilm", input=[CAT, KITTEN, STOCKS])  # the SDK asks for base64
+    vectors = np.array([item.embedding for item in result.data])
+    assert vectors.shape == (3, 384)
+    assert np.linalg.norm(vectors, axis=1) == pytest.approx(1.0, abs=1e-4)
+    similar, unrelated = float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])
+    assert similar > 0.5 > 0.2 > unrelated  # 0.66 and 0.05 for the real all-MiniLM-L6-v2
+
+
+def test_minilm_float_and_base64_agree_and_usage_counts_real_tokens(minilm: ModelServerProcess) -> None:
+    with minilm.client() as client:
+        floats = client.post("/v1/embeddings", json={"input": [CAT, "hi"], "encoding_format": "float"}).json()
+        packed = client.post("/v1/embeddings", json={"input": [CAT, "hi"], "encoding_format": "base64"}).json()
+        single = client.post("/v1/embeddings", json={"input": "hi"}).json()
+    for f, b in zip(floats["data"], packed["data"], strict=True):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        assert decoded == pytest.approx(np.array(f["embedding"]), abs=1e-6)
+    assert single["usage"]["prompt_tokens"] == 3  # [CLS] hi [SEP]
+    assert floats["usage"]["prompt_tokens"] == 9 + 3  # [CLS] a cat sits on the mat . [SEP]
+    assert single["data"][0]["embedding"] == pytest.approx(floats["data"][1]["embedding"], abs=1e-5)
+
+
+def test_minilm_batch_is_one_pipeline_call(minilm: ModelServerProcess) -> None:
+    with minilm.client() as client:
+        before = client.get("/health").json()["completed"]
+        texts = [f"sentence number {i} about cats" for i in range(16)]
+        body = client.post("/v1/embeddings", json={"input": texts}).json()
+        after = client.get("/health").json()["completed"]
+    assert [item["index"] for item in body["data"]] == list(range(16))
+    assert after - before == 1
+
+
+# -- rerank -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reranker(cache_dir: Path) -> Iterator[ModelServerProcess]:
+    with serve("rerank", "rerank", "rerank-tiny-ov", cache_dir) as server:
+        yield server
+
+
+def test_rerank_scores_every_document_and_counts_tokens(reranker: ModelServerProcess) -> None:
+    server = reranker
+    documents = ["a cat", "stock markets fell", "dogs bark loudly at night", "the mat"]
+    with server.client() as client:
+        full = client.post("/v1/rerank", json={"query": "cat on a mat", "documents": documents}).json()
+        top = client.post("/v1/rerank", json={"query": "cat on a mat", "documents": documents, "top_n": 2,
+                                              "return_documents": True}).json()
+    scores = [r["relevance_score"] for r in full["results"]]
+    assert sorted(r["index"] for r in full["results"]) == [0, 1, 2, 3]
+    assert scores == sorted(scores, reverse=True) and all(0.0 < s < 1.0 for s in scores)
+    assert top["results"] == [{**r, "document": {"text": documents[r["index"]]}} for r in full["results"][:2]]
+    assert full["usage"]["prompt_tokens"] == 4 * 4 + (2 + 3 + 5 + 2)  # the query per document, then each document
+
+
+# -- transcription ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def whisper(cache_dir: Path) -> Iterator[ModelServerProcess]:
+    options = {"max_new_tokens": 12, "word_timestamps": True}
+    with serve("whisper", "transcription", "whisper-tiny-ov", cache_dir, options=options) as server:
+        yield server
+
+
+def transcribe(server: ModelServerProcess, data: bytes, **fields: Any) -> Any:
+    with server.client() as client:
+        return client.post("/v1/audio/transcriptions", files={"file": ("audio", data)}, data={"model": "w", **fields})
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "ogg", "mp3"])
+def test_whisper_transcribes_every_audio_format(whisper: ModelServerProcess, fmt: str) -> None:
+    response = transcribe(whisper, audio_file(fmt))
+    assert response.status_code == 200, response.text
+    assert isinstance(response.json()["text"], str) and response.json()["text"]
+
+
+def test_whisper_verbose_json_with_segments_and_words(whisper: ModelServerProcess) -> None:
+    fields = {"response_format": "verbose_json", "timestamp_granularities[]": ["segment", "word"]}
+    body = transcribe(whisper, audio_file("wav", seconds=4.0), **fields).json()
+    assert body["duration"] == 4.0 and body["language"] == "en"
+    assert body["segments"] and body["words"]
+    assert all(s["start"] <= s["end"] for s in body["segments"])
+    assert all(isinstance(w["word"], str) and w["start"] <= w["end"] for w in body["words"])
+
+
+def test_whisper_long_audio_and_subtitles(whisper: ModelServerProcess) -> None:
+    srt = transcribe(whisper, audio_file("flac", seconds=45.0, rate=16_000, channels=1), response_format="srt")
+    assert srt.status_code == 200, srt.text
+    assert srt.text.startswith("1\n00:00:") and " --> " in srt.text
+
+
+def test_whisper_rejects_what_the_model_cannot_do(whisper: ModelServerProcess) -> None:
+    assert_error(transcribe(whisper, audio_file("wav"), language="de"), 400, "English-only")
+    with whisper.client() as client:
+        translated = client.post("/v1/audio/translations", files={"file": ("a", audio_file("wav"))})
+    assert_error(translated, 400, "cannot translate")
+    assert_error(transcribe(whisper, b"RIFF0000WAVEnot really"), 400, "could not decode")
+
+
+# -- speech -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speecht5(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProcess]:
+    voice = tmp_path_factory.mktemp("voices") / "anna.npy"
+    np.save(voice, np.random.default_rng(7).standard_normal((1, 512)).astype(np.float32) * 0.1)
+    options = {"minlenratio": 1.0, "voices": {"anna": str(voice)}}
+    with serve("speecht5", "speech", "speecht5-tiny-ov", cache_dir, options=options) as server:
+        yield server
+
+
+def speak(server: ModelServerProcess, **body: Any) -> Any:
+    with server.client() as client:
+        return client.post("/v1/audio/speech", json={"model": "t", "voice": "anna", **body})
+
+
+def test_speecht5_speaks_wav_and_longer_text_is_longer(speecht5: ModelServerProcess) -> None:
+    short = speak(speecht5, input="Hello.", response_format="wav")
+    long = speak(speecht5, input="Hello there. This sentence is a good deal longer than that one.",
+                 response_format="wav")
+    assert short.status_code == 200, short.text
+    short_samples, rate = soundfile.read(io.BytesIO(short.content))
+    long_samples, _ = soundfile.read(io.BytesIO(long.content))
+    assert rate == 16_000 and short.headers["content-type"] == "audio/wav"
+    assert 0 < len(short_samples) < len(long_samples)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "flac"])
+def test_speecht5_compressed_formats_decode(speecht5: ModelServerProcess, fmt: str) -> None:
+    response = speak(speecht5, input="Testing the formats.", response_format=fmt)
+    assert response.status_code == 200, response.text
+    samples, _ = soundfile.read(io.BytesIO(response.content))
+    assert len(samples) > 0
+
+
+def test_speecht5_refuses_speed_and_unknown_voices(speecht5: ModelServerProcess) -> None:
+    assert_error(speak(speecht5, input="hi", speed=1.5), 400, "one speed")
+    assert_error(speak(speecht5, input="hi", voice="alloy"), 400, "known: anna")
+
+
+# -- vlm ----------------------------------------------------------------------------------------
+
+
+def vision(parts: list[Any], **params: Any) -> dict[str, Any]:
+    return {"model": "llava", "messages": [{"role": "user", "content": parts}], "temperature": 0, **params}
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": image_data_url(64, 48)}}
+ASK = {"type": "text", "text": "What is in the image?"}
+
+
+@pytest.fixture(scope="module")
+def llava(cache_dir: Path) -> Iterator[ModelServerProcess]:
+    with serve("llava", "vlm", "llava-tiny-ov", cache_dir, default_max_tokens=8) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llava_fatal(cache_dir: Path) -> Iterator[ModelServerProcess]:
+    with serve("llava-fatal", "vlm", "llava-tiny-ov", cache_dir, fatal_patterns=["Missing image/video"]) as server:
+        yield server
+
+
+def test_llava_images_reach_the_vision_encoder(llava: ModelServerProcess) -> None:
+    with llava.client() as client:
+        text_only = client.post("/v1/chat/completions", json=vision([ASK])).json()
+        one = client.post("/v1/chat/completions", json=vision([ASK, IMAGE])).json()
+        two = client.post("/v1/chat/completions", json=vision([IMAGE, ASK, IMAGE])).json()
+    # each image adds its 16 patch embeddings (and a newline) to the prompt
+    assert one["usage"]["prompt_tokens"] >= text_only["usage"]["prompt_tokens"] + 16
+    assert two["usage"]["prompt_tokens"] >= one["usage"]["prompt_tokens"] + 16
+    assert one["choices"][0]["finish_reason"] in ("stop", "length")
+    assert one["usage"]["completion_tokens"] <= 8
+
+
+def test_llava_stream_matches_the_whole_answer(llava: ModelServerProcess) -> None:
+    with llava.client() as client:
+        whole = client.post("/v1/chat/completions", json=vision([ASK, IMAGE], max_tokens=6)).json()
+        streamed = client.post("/v1/chat/completions", json=vision([ASK, IMAGE], max_tokens=6, stream=True,
+                                                                    stream_options={"include_usage": True}))
+    events = sse_events(streamed.text)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert events[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
+    assert whole["choices"][0]["finish_reason"] == "length"
+
+
+def test_llava_refuses_remote_images(llava: ModelServerProcess) -> None:
+    remote = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
+    with llava.client() as client:
+        assert_error(client.post("/v1/chat/completions", json=vision([ASK, remote])), 400, "data URL")
+
+
+BAD_TAG = {"type": "text", "text": "<ov_genai_image_3> refers to an image that was not sent"}
+
+
+def test_llava_engine_errors_are_500_and_it_keeps_serving(llava: ModelServerProcess) -> None:
+    with llava.client() as client:
+        failed = client.post("/v1/chat/completions", json=vision([BAD_TAG, IMAGE]))
+        assert_error(failed, 500, "Missing image")
+        assert failed.headers.get(FATAL_HEADER) is None
+        assert client.post("/v1/chat/completions", json=vision([ASK, IMAGE])).status_code == 200
+
+
+def test_llava_errors_matching_fatal_patterns_fail_the_process(llava_fatal: ModelServerProcess) -> None:
+    with llava_fatal.client() as client:
+        failed = client.post("/v1/chat/completions", json=vision([BAD_TAG, IMAGE]))
+        assert_error(failed, 500, "beyond repair")
+        assert failed.headers[FATAL_HEADER] == "1"
+        assert client.get("/health").status_code == 503
