@@ -24,7 +24,7 @@ from typing import Literal
 
 from procman.errors import BackendUnavailable
 
-__all__ = ["Address", "AddressAllocator", "is_address_clash", "safe_name"]
+__all__ = ["Address", "AddressAllocator", "is_address_clash", "safe_name", "short_name"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ def safe_name(name: str) -> str:
     """``name`` when it is a harmless file name, else a short stable hash of it."""
     if _SAFE.fullmatch(name) and name not in {".", ".."}:
         return name
+    return short_name(name)
+
+
+def short_name(name: str) -> str:
+    """A short stable file name for ``name`` (15 characters)."""
     return "b-" + hashlib.sha1(name.encode()).hexdigest()[:12]
 
 
@@ -80,6 +85,10 @@ def _private_dir(path: Path) -> Path:
     if stat.S_IMODE(info.st_mode) != 0o700:
         path.chmod(0o700)
     return path
+
+
+def _fits(path: Path) -> bool:
+    return len(os.fsencode(path)) <= MAX_SOCKET_PATH
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -119,7 +128,7 @@ class AddressAllocator:
 
     def _pick_socket_dir(self) -> Path:
         wanted = self._runtime_dir / "sockets"
-        if len(os.fsencode(wanted / ("x" * 56))) <= MAX_SOCKET_PATH:
+        if _fits(wanted / f"{short_name('')}.sock"):
             return _private_dir(wanted)
         self._own_temp_dir = True  # runtime_dir is too deep for sun_path: a short private dir instead
         path = Path(tempfile.mkdtemp(prefix="ovrouter-"))
@@ -130,6 +139,8 @@ class AddressAllocator:
         """A fresh address for ``name``; raises BackendUnavailable when no TCP port is free."""
         if transport == "uds":
             path = self.socket_dir / f"{safe_name(name)}.sock"
+            if not _fits(path):
+                path = self.socket_dir / f"{short_name(name)}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # a stale socket of a process that is gone
             return Address(kind="uds", path=str(path))
