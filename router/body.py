@@ -18,7 +18,7 @@ MIB = 1024 * 1024
 
 def too_large(limit_bytes: int, what: str = "request body") -> PayloadTooLarge:
     return PayloadTooLarge(
-        f"{what} is larger than the limit of {limit_bytes / MIB:g} MiB (max_request_mb); send less or raise the limit"
+        f"{what} is larger than the limit of {limit_bytes / MIB:.3g} MiB (max_request_mb); send less or raise the limit"
     )
 
 

@@ -73,6 +73,9 @@ class Registry:
     def _add(self, spec: ModelSpec) -> Model:
         backend = self.manager.add(backend_spec(spec, self.config.router, self.config.path))
         model = self.models[spec.name] = Model(spec, backend, Limiter(spec.name, spec.max_concurrency, spec.max_queue))
+        self.metrics.in_flight.labels(spec.name).set_function(lambda: backend.in_flight)
+        self.metrics.queued.labels(spec.name).set_function(lambda: model.limiter.queued)
+        self.metrics.loaded.labels(spec.name).set(0)
         self._index_aliases()
         return model
 

@@ -1,0 +1,378 @@
+"""The router over real fake-engine model server processes: routing, streaming, cold starts,
+idle stop, faults and limits. Each test starts its own router (in this event loop) and the
+model processes it launches; the conftest check fails a test that leaves one behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from procman import State
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def chat(model: str, text: str = "hello there world", **extra: object) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def sdk(router: RunningRouter, key: str = "unused") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+async def wait_for(predicate: object, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] != "Z"
+
+
+async def test_openai_sdk_chat_stream_alias_and_models_list(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(aliases=["gpt-4o-mini"]), "other": fake_model()})
+    async with running_router(path) as router:
+        listed = (await router.client.get("/v1/models")).json()
+        assert [m["id"] for m in listed["data"]] == ["echo", "other"]
+        assert {m["status"] for m in listed["data"]} == {"stopped"}
+        client = sdk(router)
+        reply = await client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "a b c"}]
+        )
+        assert reply.choices[0].message.content == "a b c"
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        stream = await client.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": "one two three four"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "one two three four" and len(chunks) >= 4
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        statuses = {m["id"]: m["status"] for m in (await router.client.get("/v1/models")).json()["data"]}
+        assert statuses == {"echo": "ready", "other": "stopped"}
+        await client.close()
+
+
+async def test_bad_requests_get_openai_style_errors(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        unknown = await router.client.post("/v1/chat/completions", json=chat("nope"))
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "model_not_found" and "echo" in unknown.json()["error"]["message"]
+        broken = await router.client.post("/v1/chat/completions", content=b"{not json")
+        assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
+        missing = await router.client.post("/v1/embeddings", json={"input": "x"})
+        assert missing.status_code == 400 and "`model` is required" in missing.json()["error"]["message"]
+        no_route = await router.client.get("/v2/whatever")
+        assert no_route.status_code == 404 and "error" in no_route.json()
+        wrong_method = await router.client.get("/v1/chat/completions")
+        assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+        assert router.backend("echo").state is State.STOPPED, "nothing above may start a model"
+
+
+async def test_concurrent_cold_starts_share_one_process(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"slow": fake_model(fake={"load_s": 1.0, "token_delay_s": 0})})
+    async with running_router(path) as router:
+        replies = await asyncio.gather(
+            *(router.client.post("/v1/chat/completions", json=chat("slow")) for _ in range(6))
+        )
+        assert [r.status_code for r in replies] == [200] * 6
+        backend = router.backend("slow")
+        assert backend.starts == 1 and backend.state is State.READY
+        metrics = (await router.client.get("/metrics")).text
+        assert 'ovrouter_model_starts_total{model="slow",reason="cold",result="ok"} 1.0' in metrics
+        assert 'ovrouter_requests_total{model="slow",status="200"} 6.0' in metrics
+
+
+async def test_idle_stop_never_cuts_a_stream(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(idle_timeout_s=0.5, fake={"load_s": 0, "token_delay_s": 0.1})})
+    async with running_router(path) as router:
+        words = " ".join(f"w{i}" for i in range(25))  # ~2.5 s of streaming, 5x the idle timeout
+        async with router.client.stream("POST", "/v1/chat/completions", json=chat("echo", words, stream=True)) as resp:
+            body = "".join([part async for part in resp.aiter_text()])
+        assert resp.status_code == 200 and "w24" in body and body.rstrip().endswith("data: [DONE]")
+        pid = router.backend("echo").pid
+        assert pid is not None and alive(pid)
+        await wait_for(lambda: router.backend("echo").state is State.STOPPED, 10, "idle stop")
+        await wait_for(lambda: not alive(pid), 5, "the idle process to exit")
+        again = await router.client.post("/v1/chat/completions", json=chat("echo", "back"))
+        assert again.status_code == 200 and router.backend("echo").pid not in (None, pid)
+
+
+async def test_fatal_error_restarts_and_next_request_gets_a_new_process(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model(retry_on_fatal=False)})) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("echo"))).status_code == 200
+        first_pid = router.backend("echo").pid
+        fatal = await router.client.post("/v1/chat/completions", json=chat("echo", "boom [[fatal]]"))
+        assert fatal.status_code == 503 and fatal.headers["retry-after"]
+        assert "unrecoverable" in fatal.json()["error"]["message"]
+        assert "CL_OUT_OF_RESOURCES" in fatal.json()["error"]["message"]
+        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "fine now"))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine now"
+        backend = router.backend("echo")
+        assert backend.pid not in (None, first_pid) and not alive(first_pid) and backend.restarts == 1
+        metrics = (await router.client.get("/metrics")).text
+        assert 'ovrouter_model_restarts_total{model="echo",reason="fatal"} 1.0' in metrics
+
+
+async def test_fatal_non_streamed_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model(backoff_base_s=0.2)})) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        pids = {router.backend("echo").pid}
+        fatal = await router.client.post("/v1/chat/completions", json=chat("echo", "[[fatal]]"))
+        # the retry landed on a fresh process and, the marker being deterministic, failed the same way
+        assert fatal.status_code == 503 and router.backend("echo").restarts == 2
+        await wait_for(lambda: router.backend("echo").state is State.READY, 20, "relaunch after backoff")
+        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "ok"))
+        assert ok.status_code == 200 and router.backend("echo").pid not in pids
+
+
+async def test_streamed_fatal_is_not_retried(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        fatal = await router.client.post("/v1/chat/completions", json=chat("echo", "[[fatal]]", stream=True))
+        assert fatal.status_code == 503 and fatal.json()["error"]["type"] == "server_error"
+        await wait_for(lambda: router.backend("echo").restarts == 1, 10, "one restart")
+        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "ok"))
+        assert ok.status_code == 200
+
+
+async def test_crash_mid_request_is_a_clean_502_and_the_model_comes_back(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(retry_on_fatal=False)})
+    async with running_router(path) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("echo"))).status_code == 200
+        pid = router.backend("echo").pid
+        crashed = await router.client.post("/v1/chat/completions", json=chat("echo", "[[crash]]"))
+        assert crashed.status_code == 502 and "died" in crashed.json()["error"]["message"]
+        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "still here"))
+        assert ok.status_code == 200 and router.backend("echo").pid != pid
+
+
+async def test_crash_of_a_non_streamed_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        crashed = await router.client.post("/v1/chat/completions", json=chat("echo", "[[crash]]"))
+        # the retry carries the marker too, so it crashes the fresh process as well: 502, never a hang
+        assert crashed.status_code == 502
+        await wait_for(lambda: router.backend("echo").state is State.READY, 20, "relaunch")
+        assert router.backend("echo").starts >= 3  # first start, relaunch after crash 1, after crash 2
+
+
+async def test_hung_process_is_killed_and_replaced_and_its_request_answered(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path,
+        {
+            "echo": fake_model(
+                retry_on_fatal=False, health_interval_s=0.3, health_timeout_s=0.3, health_failures=2, stop_timeout_s=1
+            )
+        },
+    )
+    async with running_router(path) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        pid = router.backend("echo").pid
+        hung = await router.client.post("/v1/chat/completions", json=chat("echo", "[[hang]]"))
+        assert hung.status_code == 502 and "died" in hung.json()["error"]["message"]
+        await wait_for(lambda: router.backend("echo").state is State.READY, 15, "hung process replaced")
+        assert router.backend("echo").pid != pid and not alive(pid)
+        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "alive"))
+        assert ok.status_code == 200
+        metrics = (await router.client.get("/metrics")).text
+        assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in metrics
+
+
+async def test_no_first_byte_within_request_timeout_is_504(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(request_timeout_s=1, health_interval_s=30, stop_timeout_s=1)})
+    async with running_router(path) as router:
+        hung = await router.client.post("/v1/chat/completions", json=chat("echo", "[[hang]]"))
+        assert hung.status_code == 504 and "request_timeout_s=1s" in hung.json()["error"]["message"]
+
+
+async def test_ordinary_engine_error_passes_through_and_keeps_the_process(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        pid = router.backend("echo").pid
+        error = await router.client.post("/v1/chat/completions", json=chat("echo", "[[error]]"))
+        assert error.status_code == 500 and "error" in error.json()
+        assert router.backend("echo").pid == pid and router.backend("echo").restarts == 0
+
+
+async def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
+    path = write_config(
+        tmp_path, {"echo": fake_model(max_concurrency=1, max_queue=1, fake={"load_s": 0, "token_delay_s": 0.2})}
+    )
+    async with running_router(path) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo", "warm"))
+        slow = [
+            asyncio.create_task(router.client.post("/v1/chat/completions", json=chat("echo", "a b c d e")))
+            for _ in range(2)
+        ]
+        await wait_for(lambda: router.service.registry.models["echo"].limiter.queued == 1, 5, "one queued")
+        refused = await router.client.post("/v1/chat/completions", json=chat("echo"))
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert "max_queue=1" in refused.json()["error"]["message"]
+        assert [r.status_code for r in await asyncio.gather(*slow)] == [200, 200]
+
+
+async def test_body_over_the_model_limit_is_413_naming_it(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"small": fake_model(max_request_mb=0.01), "big": fake_model()})
+    async with running_router(path) as router:
+        text = "x " * 20000  # ~40 KB
+        too_big = await router.client.post("/v1/chat/completions", json=chat("small", text))
+        assert too_big.status_code == 413 and "0.01 MiB" in too_big.json()["error"]["message"]
+        assert router.backend("small").state is State.STOPPED
+        fits = await router.client.post("/v1/chat/completions", json=chat("big", "fits"))
+        assert fits.status_code == 200
+
+
+async def test_failed_start_answers_with_the_reason_then_backs_off(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"broken": fake_model(fake={"fail_load": "weights are corrupt"}, backoff_base_s=5)})
+    async with running_router(path) as router:
+        first = await router.client.post("/v1/chat/completions", json=chat("broken"))
+        assert first.status_code == 503
+        assert "weights are corrupt" in first.json()["error"]["message"], "the model server's own reason"
+        assert "Traceback" not in first.text
+        second = await router.client.post("/v1/chat/completions", json=chat("broken"))
+        assert second.status_code == 503 and int(second.headers["retry-after"]) >= 1
+        assert router.backend("broken").state in (State.BACKOFF, State.STOPPED)
+
+
+async def test_group_evicts_the_idle_model_and_waits_for_a_busy_one(tmp_path: Path) -> None:
+    slow = {"load_s": 0, "token_delay_s": 0.1}
+    path = write_config(
+        tmp_path,
+        {"a": fake_model(group="gpu0", fake=slow), "b": fake_model(group="gpu0", fake=slow)},
+        groups={"gpu0": {"max_loaded": 1}},
+    )
+    async with running_router(path) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("a", "x"))).status_code == 200
+        pid_a = router.backend("a").pid
+        assert (await router.client.post("/v1/chat/completions", json=chat("b", "x"))).status_code == 200
+        assert router.backend("a").state is State.STOPPED and not alive(pid_a)
+        # b is busy streaming: a must wait for it rather than kill it
+        async with router.client.stream(
+            "POST", "/v1/chat/completions", json=chat("b", "one two three four five six", stream=True)
+        ) as stream:
+            waiting = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat("a", "y")))
+            body = "".join([part async for part in stream.aiter_text()])
+        assert "six" in body and "[DONE]" in body, "the busy model finished its stream"
+        assert (await waiting).status_code == 200
+        assert router.backend("b").state is State.STOPPED and router.backend("a").state is State.READY
+
+
+async def test_client_disconnect_mid_stream_cancels_the_generation(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(fake={"load_s": 0, "token_delay_s": 0.2})})
+    async with running_router(path) as router:
+        words = " ".join(f"w{i}" for i in range(50))
+        async with router.client.stream("POST", "/v1/chat/completions", json=chat("echo", words, stream=True)) as r:
+            async for _ in r.aiter_lines():
+                break  # read the first event, then hang up
+        backend = router.backend("echo")
+        await wait_for(lambda: any("cancelled" in line for line in backend.logs.tail(50)), 10, "cancel in the log")
+        await wait_for(lambda: backend.in_flight == 0, 5, "the request to end")
+
+
+async def test_upstream_passthrough_and_management_api(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        health = await router.client.get("/upstream/echo/health")
+        assert health.status_code == 200 and health.json()["status"] == "ready"
+        assert (await router.client.get("/upstream/nope/health")).status_code == 404
+        rows = (await router.client.get("/api/models")).json()["models"]
+        assert rows[0]["name"] == "echo" and rows[0]["state"] == "ready" and rows[0]["pid"]
+        pid = rows[0]["pid"]
+        restarted = (await router.client.post("/api/models/echo/restart")).json()
+        assert restarted["pid"] != pid and restarted["state"] == "ready"
+        unloaded = (await router.client.post("/api/models/echo/unload")).json()
+        assert unloaded["state"] == "stopped" and unloaded["pid"] is None
+        loaded = (await router.client.post("/api/models/echo/load")).json()
+        assert loaded["state"] == "ready"
+        logs = await router.client.get("/api/models/echo/logs", params={"lines": 5})
+        assert logs.status_code == 200 and 0 < len(logs.text.splitlines()) <= 5
+        status = (await router.client.get("/api/status")).json()
+        assert status["models"] == {"echo": "ready"} and status["last_reload"]["ok"]
+        assert (await router.client.post("/api/models/nope/load")).status_code == 404
+
+
+async def test_log_follow_streams_new_lines(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        async with router.client.stream("GET", "/api/models/echo/logs", params={"follow": "1"}) as follow:
+            lines = follow.aiter_lines()
+            await router.client.post("/v1/chat/completions", json=chat("echo", "marker-line please"))
+            seen = []
+            async with asyncio.timeout(10):
+                async for line in lines:
+                    seen.append(line)
+                    if "/v1/chat/completions" in line and len(seen) > 1:
+                        break
+        assert any("/v1/chat/completions" in line for line in seen)
+
+
+async def test_api_keys_guard_v1_and_admin_keys_guard_api(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()}, router={"api_keys": ["user-key"], "admin_keys": ["root-key"]})
+    async with running_router(path) as router:
+        anonymous = await router.client.post("/v1/chat/completions", json=chat("echo"))
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+        assert (await router.client.get("/v1/models")).status_code == 401
+        assert (await router.client.get("/upstream/echo/health")).status_code == 401
+        user = {"Authorization": "Bearer user-key"}
+        assert (await router.client.post("/v1/chat/completions", json=chat("echo"), headers=user)).status_code == 200
+        assert (await router.client.get("/api/models", headers=user)).status_code == 401
+        admin = {"Authorization": "Bearer root-key"}
+        assert (await router.client.get("/api/models", headers=admin)).status_code == 200
+        assert (await router.client.get("/health")).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            await sdk(router, "wrong").chat.completions.create(
+                model="echo", messages=[{"role": "user", "content": "x"}]
+            )
+        good = await sdk(router, "user-key").chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "x"}]
+        )
+        assert good.choices[0].message.content == "x"
+
+
+async def test_preload_starts_with_the_router(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"hot": fake_model(preload=True), "cold": fake_model()})
+    async with running_router(path) as router:
+        await wait_for(lambda: router.backend("hot").state is State.READY, 15, "preload")
+        assert router.backend("cold").state is State.STOPPED
+
+
+async def test_models_of_other_tasks_route_by_model_field(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"emb": fake_model(task="embeddings"), "chat": fake_model()})
+    async with running_router(path) as router:
+        reply = await router.client.post("/v1/embeddings", json={"model": "emb", "input": ["a", "b"]})
+        assert reply.status_code == 200 and len(reply.json()["data"]) == 2
+        assert router.backend("chat").state is State.STOPPED
+
+
+async def test_metrics_endpoint_exposes_the_documented_series(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        text = (await router.client.get("/metrics")).text
+        for name in (
+            "ovrouter_model_loaded",
+            "ovrouter_model_starts_total",
+            "ovrouter_requests_total",
+            "ovrouter_request_duration_seconds_bucket",
+            "ovrouter_cold_start_duration_seconds_bucket",
+            "ovrouter_in_flight",
+            "ovrouter_queued",
+            "ovrouter_config_valid",
+        ):
+            assert name in text, name
+        assert 'ovrouter_model_loaded{model="echo"} 1.0' in text
