@@ -86,7 +86,7 @@ def _run_section(key: str, ctx: Context) -> Section:
         section = runner(ctx, key) if module_name == "bench.external" else runner(ctx)
     except SectionSkipped as exc:
         section = Section(key, title, status="skipped", notes=[f"Not run: {exc}"])
-    except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others' figures
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - one broken section must not lose the others' figures
         log.error("section %s failed: %s", key, exc)
         log.debug("%s", traceback.format_exc())
         section = Section(key, title, status="failed", notes=[f"Failed: {type(exc).__name__}: {exc}"])

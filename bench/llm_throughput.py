@@ -1,0 +1,230 @@
+"""LLM throughput: ``python -m modelserver`` vs the bare in-process ContinuousBatchingPipeline.
+
+``python -m bench.llm_throughput [--quick]`` prints a markdown table; ``run(quick)`` returns
+the numbers (``make bench`` renders them). Both sides get the same chat-templated prompts
+and generate exactly ``tokens`` tokens per stream (``ignore_eos``, greedy), at 1, 4 and 8
+concurrent streams:
+
+- **bare**: this process adds the N requests to one pipeline and loops ``step()`` until all finish;
+- **server**: N concurrent streamed ``/v1/chat/completions`` requests over HTTP to a model
+  server process (one pipeline, its pump thread batching them).
+
+Aggregate tokens/s = N x tokens / wall time from the first request to the last token.
+Targets: 8 streams >= 3.5x one stream; the server within 10% of the bare pipeline.
+The two sides run one after the other, never at the same time, on a CPU that other work
+may share: the numbers are only as quiet as the machine was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["main", "run"]
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+STREAMS = (1, 4, 8)
+PROMPTS = [
+    "Tell me a story about a dragon who learns to paint.",
+    "Describe a walk through a forest in autumn.",
+    "Explain how a steam engine works to a child.",
+    "Write a letter from a lighthouse keeper to a friend.",
+    "Describe the city of the future.",
+    "Tell me about the life of a honey bee.",
+    "Write a short tale about a lost robot finding home.",
+    "Describe a storm at sea from a sailor's point of view.",
+]
+
+
+def _bare_round(ov_genai: Any, pipe: Any, prompts: Sequence[Any], tokens: int) -> float:
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens = tokens
+    config.ignore_eos = True
+    started = time.perf_counter()
+    handles = [pipe.add_request(i, ids, config) for i, ids in enumerate(prompts)]
+    while pipe.has_non_finished_requests():
+        pipe.step()
+    elapsed = time.perf_counter() - started
+    generated = sum(len(out.generated_ids) for h in handles for out in h.read_all())
+    assert generated == tokens * len(prompts), f"bare pipeline generated {generated} tokens"
+    return generated / elapsed
+
+
+def measure_bare(model: Path, cache_dir: str, tokens: int, repeats: int) -> dict[int, float]:
+    import openvino_genai as ov_genai
+
+    pipe = ov_genai.ContinuousBatchingPipeline(str(model), ov_genai.SchedulerConfig(), "CPU", {"CACHE_DIR": cache_dir})
+    tokenizer = pipe.get_tokenizer()
+    encoded = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
+        for p in PROMPTS
+    ]
+    _bare_round(ov_genai, pipe, encoded[:1], 8)  # warm-up
+    return {
+        n: statistics.median(_bare_round(ov_genai, pipe, encoded[:n], tokens) for _ in range(repeats)) for n in STREAMS
+    }
+
+
+async def _stream_one(client: httpx.AsyncClient, prompt: str, tokens: int) -> int:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:])["usage"]["completion_tokens"]
+    return usage
+
+
+async def _server_round(client: httpx.AsyncClient, n: int, tokens: int) -> float:
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(_stream_one(client, p, tokens) for p in PROMPTS[:n]))
+    elapsed = time.perf_counter() - started
+    assert sum(counts) == tokens * n, f"server generated {counts} tokens"
+    return sum(counts) / elapsed
+
+
+async def _measure_server_async(base_url: str, tokens: int, repeats: int) -> dict[int, float]:
+    limits = httpx.Limits(max_connections=16)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await _server_round(client, 1, 8)  # warm-up
+        results = {}
+        for n in STREAMS:
+            results[n] = statistics.median([await _server_round(client, n, tokens) for _ in range(repeats)])
+        return results
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_server(model: Path, cache_dir: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    spec = {"name": "bench-llm", "path": str(model), "cache_dir": cache_dir}
+    env = {**os.environ, "OVROUTER_MODEL_SPEC": json.dumps(spec)}
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "modelserver", "--model", "bench-llm", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"model server exited: {log_path.read_text(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("model server not ready")
+
+
+def measure_server(model: Path, cache_dir: str, tokens: int, repeats: int, workdir: Path) -> dict[int, float]:
+    port = _free_port()
+    log_path = workdir / "modelserver.log"
+    proc = _start_server(model, cache_dir, port, log_path)
+    try:
+        _wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+        return asyncio.run(_measure_server_async(f"http://127.0.0.1:{port}", tokens, repeats))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Measure both sides; returns rows per stream count, the two targets and notes."""
+    if not MODEL.is_file():
+        raise FileNotFoundError(f"{MODEL} is missing: run `make models`")
+    tokens, repeats = (16, 1) if quick else (64, 3)
+    with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
+        cache_dir = str(Path(tmp) / "ov-cache")
+        bare = measure_bare(MODEL, cache_dir, tokens, repeats)
+        server = measure_server(MODEL, cache_dir, tokens, repeats, Path(tmp))
+    rows = [
+        {
+            "streams": n,
+            "bare tok/s": round(bare[n], 1),
+            "server tok/s": round(server[n], 1),
+            "server / bare": round(server[n] / bare[n], 3),
+            "server scaling vs 1 stream": round(server[n] / server[1], 2),
+        }
+        for n in STREAMS
+    ]
+    return {
+        "rows": rows,
+        "tokens_per_stream": tokens,
+        "repeats (median)": repeats,
+        "server_8_vs_1_stream": round(server[8] / server[1], 2),
+        "target_8_streams_ge_3.5x": server[8] / server[1] >= 3.5,
+        "server_vs_bare_worst": round(min(server[n] / bare[n] for n in STREAMS), 3),
+        "target_server_within_10pct": all(server[n] >= 0.9 * bare[n] for n in STREAMS),
+        "notes": [
+            f"{tokens} tokens per stream (ignore_eos, greedy), SmolLM2-135M Q4_1 GGUF on CPU, default SchedulerConfig.",
+            f"CPU: {os.cpu_count()} cores, shared with whatever else ran; bare and server run one after the other.",
+        ]
+        + (["quick mode: 16 tokens, one repeat; the numbers mean little."] if quick else []),
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    headers = list(result["rows"][0])
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(row[h]) for h in headers) + " |" for row in result["rows"]]
+    lines.append("")
+    lines.append(
+        f"8 streams vs 1 stream (server): {result['server_8_vs_1_stream']}x (target >= 3.5x: "
+        f"{'met' if result['target_8_streams_ge_3.5x'] else 'NOT met'})"
+    )
+    lines.append(
+        f"worst server / bare: {result['server_vs_bare_worst']} (target >= 0.9: "
+        f"{'met' if result['target_server_within_10pct'] else 'NOT met'})"
+    )
+    lines += [f"- {note}" for note in result["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.llm_throughput", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    print(markdown(run(quick=args.quick)))
+
+
+if __name__ == "__main__":
+    main()
