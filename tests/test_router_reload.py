@@ -1,0 +1,113 @@
+"""Hot reload over real processes: add, remove, change, router-only change, invalid file,
+and each trigger (POST /api/reload, a rename-save picked up by watchfiles, SIGHUP)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from procman import State
+from tests.router_helpers import fake_model, running_router, write_config
+from tests.test_router_proxy import alive, chat, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def rewrite(path: Path, edit: Any) -> None:
+    """Edit the YAML the way editors save: write a new file, rename it over the old one."""
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
+async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: Path) -> None:
+    slow = {"load_s": 0, "token_delay_s": 0.1}
+    path = write_config(tmp_path, {"keep": fake_model(), "edit": fake_model(fake=slow), "drop": fake_model(fake=slow)})
+    async with running_router(path) as router:
+        for name in ("keep", "edit", "drop"):
+            assert (await router.client.post("/v1/chat/completions", json=chat(name, "x"))).status_code == 200
+        pids = {name: router.backend(name).pid for name in ("keep", "edit", "drop")}
+        words = "one two three four five six seven eight"
+        streams = {
+            name: asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(name, words, stream=True)))
+            for name in ("edit", "drop")
+        }
+        await wait_for(lambda: router.backend("edit").in_flight and router.backend("drop").in_flight, 5, "in flight")
+
+        def edit(data: dict[str, Any]) -> None:
+            data["models"]["edit"]["fake"]["token_delay_s"] = 0.01
+            del data["models"]["drop"]
+            data["models"]["new"] = fake_model(preload=True)
+
+        rewrite(path, edit)
+        result = (await router.client.post("/api/reload")).json()
+        assert result["ok"] and result["diff"] == {"added": ["new"], "changed": ["edit"], "removed": ["drop"]}
+        assert (await router.client.post("/v1/chat/completions", json=chat("drop"))).status_code == 404
+        # requests in flight on the removed and the changed model finish on their old processes
+        for name, task in streams.items():
+            reply = await task
+            assert reply.status_code == 200 and "eight" in reply.text, name
+        assert (await router.client.post("/v1/chat/completions", json=chat("edit", "fresh"))).status_code == 200
+        assert router.backend("edit").pid != pids["edit"] and not alive(pids["edit"])
+        await wait_for(lambda: not alive(pids["drop"]), 10, "the removed model's process to exit")
+        await wait_for(lambda: router.backend("new").state is State.READY, 15, "the added preload model")
+        assert router.backend("keep").pid == pids["keep"], "an unchanged model is not touched"
+        assert [m["id"] for m in (await router.client.get("/v1/models")).json()["data"]] == ["keep", "edit", "new"]
+
+
+async def test_router_only_change_applies_without_a_restart(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()})
+    async with running_router(path) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        pid = router.backend("echo").pid
+        rewrite(path, lambda d: d["models"]["echo"].update(aliases=["gpt-4o"], max_concurrency=2))
+        assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["echo"]
+        reply = await router.client.post("/v1/chat/completions", json=chat("gpt-4o", "via alias"))
+        assert reply.status_code == 200 and router.backend("echo").pid == pid
+        assert router.service.registry.models["echo"].limiter.max_concurrency == 2
+
+
+async def test_invalid_file_keeps_the_old_config_serving(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()})
+    async with running_router(path) as router:
+        await router.client.post("/v1/chat/completions", json=chat("echo"))
+        pid = router.backend("echo").pid
+        rewrite(path, lambda d: d["models"]["echo"].update(idle_timeout_s="soon"))
+        rejected = await router.client.post("/api/reload")
+        assert rejected.status_code == 400
+        assert rejected.json()["errors"] == ['models.echo.idle_timeout_s: expected a number >= 0, got "soon"']
+        assert (await router.client.post("/v1/chat/completions", json=chat("echo"))).status_code == 200
+        assert router.backend("echo").pid == pid
+        status = (await router.client.get("/api/status")).json()
+        assert status["last_reload"]["ok"] is False and "idle_timeout_s" in status["last_reload"]["errors"][0]
+        assert "ovrouter_config_valid 0.0" in (await router.client.get("/metrics")).text
+        path.write_text("not: [valid")
+        assert "not valid YAML" in (await router.client.post("/api/reload")).json()["errors"][0]
+
+
+async def test_a_saved_edit_is_picked_up_by_the_watcher(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()}, router={"watch": True})
+    async with running_router(path) as router:
+        await asyncio.sleep(0.5)  # let the watcher arm before the first save (watchfiles has no ready event)
+        rewrite(path, lambda d: d["models"].update(second=fake_model()))
+        await wait_for(lambda: "second" in router.service.registry.models, 15, "the watcher to add a model")
+        rewrite(path, lambda d: d["models"].update(third=fake_model()))  # a second save: the watch survived a rename
+        await wait_for(lambda: "third" in router.service.registry.models, 15, "a second save to be applied")
+        assert router.service.last_reload["source"] == "watch"
+
+
+async def test_sighup_reloads(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()})
+    async with running_router(path) as router:
+        rewrite(path, lambda d: d["models"].update(hup=fake_model()))
+        os.kill(os.getpid(), signal.SIGHUP)
+        await wait_for(lambda: "hup" in router.service.registry.models, 10, "SIGHUP reload")
+        assert router.service.last_reload["source"] == "SIGHUP"
