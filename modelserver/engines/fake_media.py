@@ -131,7 +131,7 @@ class FakeSpeechSynthesizer(_FakeBase):
 
 
 class FakeVisionGenerator(FakeTextGenerator):
-    def generate(self, request: VisionRequest | GenerationRequest) -> FakeStream:  # type: ignore[override]
+    def generate(self, request: VisionRequest | GenerationRequest) -> FakeStream:
         if isinstance(request, GenerationRequest):
             return super().generate(request)
         images = request.images

@@ -21,9 +21,10 @@ def task_options(spec: ModelSpec, known: Mapping[str, type | tuple[type, ...]]) 
         if key not in known:
             names = ", ".join(sorted(known)) or "none"
             raise LoadError(f"models.{spec.name}.options.{key}: unknown option for task {spec.task} (known: {names})")
-        expected = known[key] if isinstance(known[key], tuple) else (known[key],)
-        if not _matches(value, expected):  # type: ignore[arg-type]
-            wanted = " or ".join(_NAMES.get(t, t.__name__) for t in expected)  # type: ignore[union-attr]
+        kind = known[key]
+        expected: tuple[type, ...] = kind if isinstance(kind, tuple) else (kind,)
+        if not _matches(value, expected):
+            wanted = " or ".join(_NAMES.get(t, t.__name__) for t in expected)
             raise LoadError(f"models.{spec.name}.options.{key}: expected {wanted}, got {value!r}")
     return options
 
