@@ -41,7 +41,11 @@ FAILURE_REASONS = frozenset({"crash", "hang", "fatal"})
 
 
 class StartInterrupted(BackendUnavailable):
-    """A stop, unload, reload or shutdown interrupted the start this caller waited for."""
+    """A stop, unload, reload or shutdown (``by``) interrupted the start this caller waited for."""
+
+    def __init__(self, reason: str, by: str) -> None:
+        super().__init__(reason)
+        self.by = by
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,7 @@ class Backend:
         self._running: process.Running | None = None
         self._start_task: asyncio.Task[Address] | None = None
         self._abort: asyncio.Event | None = None
+        self._abort_by = "stop"
         self._monitor: asyncio.Task[None] | None = None
         self._retry: asyncio.Task[None] | None = None
         self._idle: asyncio.Task[None] | None = None
@@ -141,9 +146,7 @@ class Backend:
         Concurrent callers share one start: whoever waited on the lock while a start ran
         gets that start's result (its address, or the very error it raised).
         """
-        joined = self._pending_start()
-        async with self._lock:
-            return await self._ready_locked(joined)
+        return (await self._admit(count=False)).address
 
     @contextlib.asynccontextmanager
     async def request(self) -> AsyncIterator[Lease]:
@@ -152,16 +155,28 @@ class Backend:
         The ready check and the count happen under the lock, so no stop slips in between;
         a stop with ``drain=True`` waits for the count to reach zero.
         """
-        joined = self._pending_start()
-        async with self._lock:
-            address = await self._ready_locked(joined)
-            self.in_flight += 1
-            self._drained.clear()
-            lease = Lease(address, self.pid, self.generation)
+        lease = await self._admit(count=True)
         try:
             yield lease
         finally:
             self._request_done()
+
+    async def _admit(self, count: bool) -> Lease:
+        joined = self._pending_start()
+        try:
+            return await self._admit_once(joined, count)
+        except StartInterrupted as exc:
+            if exc.by != "reload":
+                raise
+            return await self._admit_once(None, count)  # the reload starts the new spec: wait for that one
+
+    async def _admit_once(self, joined: asyncio.Task[Address] | None, count: bool) -> Lease:
+        async with self._lock:
+            address = await self._ready_locked(joined)
+            if count:
+                self.in_flight += 1
+                self._drained.clear()
+            return Lease(address, self.pid, self.generation)
 
     def _request_done(self) -> None:
         self.in_flight -= 1
@@ -176,8 +191,10 @@ class Backend:
         return task if task is not None and not task.done() else None
 
     async def _ready_locked(self, joined: asyncio.Task[Address] | None) -> Address:
-        if joined is not None and joined.done() and not joined.cancelled() and (error := joined.exception()):
-            raise error  # the start we queued behind failed: the same answer for everyone who waited
+        if joined is not None and joined.done() and not joined.cancelled():
+            error = joined.exception()
+            if error is not None and not isinstance(error, StartInterrupted):
+                raise error  # the start we queued behind failed: the same answer for everyone who waited
         if self._closed:
             raise BackendClosed(f"{self.name} was removed or is shutting down")
         pending = self._pending_start()
@@ -204,7 +221,7 @@ class Backend:
 
         Interrupts a start in progress. The next ``ensure_ready`` cold-starts again.
         """
-        self._interrupt_start()
+        self._interrupt_start(reason)
         await self._owned(self._stop_op(reason, drain))
 
     async def restart(self, reason: str, *, generation: int | None = None) -> None:
@@ -224,14 +241,15 @@ class Backend:
             return
         retrying = self.state is State.BACKOFF and self._retry is not None and not self._retry.done()
         was_loaded = retrying or self.state in (State.STARTING, State.READY)
-        self._interrupt_start()
+        self._interrupt_start("reload")
         await self._owned(self._update_op(spec, was_loaded))
 
     async def close(self, *, drain: bool) -> None:
         """Stop for good: later ``ensure_ready`` calls raise BackendClosed."""
         self._closed = True
-        self._interrupt_start()
-        await self._owned(self._stop_op("remove" if drain else "shutdown", drain))
+        reason = "remove" if drain else "shutdown"
+        self._interrupt_start(reason)
+        await self._owned(self._stop_op(reason, drain))
         self.logs.close()
 
     def kill_now(self) -> None:
@@ -313,6 +331,9 @@ class Backend:
             return
         try:
             self.exit_code = await process.terminate(self._rt, self.spec, running, self.logs)
+        except Exception:  # never stay in STOPPING: the group gets SIGKILL and the state moves on
+            log.exception("%s: stopping pid=%s failed; sending SIGKILL", self.name, running.pid)
+            process.kill_now(running)
         finally:
             self._running = None
             self.started_at = None
@@ -423,8 +444,8 @@ class Backend:
     async def _before_start_quietly(self) -> bool:
         try:
             await self._before_start()
-        except BackendUnavailable as exc:
-            log.warning("%s not relaunched: %s", self.name, exc)
+        except Exception as exc:
+            log.warning("%s not relaunched: %s", self.name, exc, exc_info=not isinstance(exc, BackendUnavailable))
             self.last_error = str(exc)
             return False
         return True
@@ -442,10 +463,11 @@ class Backend:
         self._set_state(State.STARTING)
         self.started_at = time.time()
         try:
-            running = await process.launch(self._rt, self.spec, self.logs, abort)
+            running = await self._launch_process(abort)
         except process.Aborted as stopped:
             await self._abandon(stopped.running)
-            raise StartInterrupted(f"the start of {self.name} was interrupted by a stop") from None
+            by = self._abort_by
+            raise StartInterrupted(f"the start of {self.name} was interrupted ({by})", by=by) from None
         except BackendUnavailable as exc:
             self.started_at = None
             self.exit_code = exc.exit_code if isinstance(exc, StartFailed) else None
@@ -455,6 +477,15 @@ class Backend:
         self._became_ready(running)
         self._rt.notify("on_start", self, reason, True, self._rt.clock() - began)
         return running.address
+
+    async def _launch_process(self, abort: asyncio.Event) -> process.Running:
+        try:
+            return await process.launch(self._rt, self.spec, self.logs, abort)
+        except (BackendUnavailable, process.Aborted):
+            raise
+        except Exception as exc:  # a bug or an odd OS error must fail the start, never wedge it in STARTING
+            log.exception("%s: start failed unexpectedly", self.name)
+            raise BackendUnavailable(f"{self.name}: start failed unexpectedly: {exc!r}") from exc
 
     async def _abandon(self, running: process.Running) -> None:
         self._running = running
@@ -476,8 +507,9 @@ class Backend:
         if pending is not None:
             await asyncio.wait({pending})
 
-    def _interrupt_start(self) -> None:
-        if self._abort is not None and self._pending_start() is not None:
+    def _interrupt_start(self, by: str) -> None:
+        if self._abort is not None and self._pending_start() is not None and not self._abort.is_set():
+            self._abort_by = by
             self._abort.set()
 
     # -- background watchers ------------------------------------------------------------

@@ -16,17 +16,23 @@ __all__ = ["LogBuffer"]
 log = logging.getLogger(__name__)
 
 FOLLOW_QUEUE_LINES = 10_000
+MAX_FILE_BYTES = 16 * 1024 * 1024  # then <name>.log moves to <name>.log.1 and a new file begins
 
 
 class LogBuffer:
     """A ring buffer of the last ``max_lines`` lines, also appended to ``path`` when given.
 
+    The file is kept under ``max_file_bytes``: when it grows past it, it is renamed to
+    ``<path>.1`` (replacing the previous one) and a fresh file begins.
+
     ``total`` counts every line ever appended, so ``since(mark)`` returns what one process
     printed even when older processes of the same backend wrote to the same buffer.
     """
 
-    def __init__(self, path: Path | None = None, max_lines: int = 1000) -> None:
+    def __init__(self, path: Path | None = None, max_lines: int = 1000, max_file_bytes: int = MAX_FILE_BYTES) -> None:
         self.path = path
+        self.max_file_bytes = max_file_bytes
+        self._file_bytes = 0
         self._lines: collections.deque[str] = collections.deque(maxlen=max_lines)
         self._followers: set[asyncio.Queue[str]] = set()
         self._file: TextIO | None = None
@@ -73,12 +79,21 @@ class LogBuffer:
             return
         try:
             if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("a", encoding="utf-8", errors="replace", buffering=1)
+                self._open(self.path)
+            assert self._file is not None
             self._file.write(line + "\n")
+            self._file_bytes += len(line) + 1
+            if self._file_bytes > self.max_file_bytes:
+                self.close()
+                self.path.replace(self.path.with_name(self.path.name + ".1"))
         except OSError as exc:
             log.warning("cannot write log %s: %s; keeping lines in memory only", self.path, exc)
             self.path = None
+
+    def _open(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8", errors="replace", buffering=1)
+        self._file_bytes = self._file.tell()
 
     def close(self) -> None:
         """Close the log file; later lines reopen it."""

@@ -73,13 +73,14 @@ def _load_prctl() -> Callable[..., int] | None:
 _PRCTL = _load_prctl()
 
 
-def _die_with(parent_pid: int) -> Callable[[], None] | None:
-    """The child-side setup: SIGKILL when the parent dies, and exit if it is already dead."""
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    """Runs in the child between fork and exec: no blocked signals, and SIGKILL when the parent dies."""
     prctl = _PRCTL
-    if prctl is None:
-        return None
 
     def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())  # a mask would be inherited across exec
+        if prctl is None:
+            return
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
@@ -101,7 +102,7 @@ class SubprocessSpawner:
             env=dict(env),
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=_child_setup(os.getpid()),
         )
         return SubprocessHandle(proc, on_line)
 

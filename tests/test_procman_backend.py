@@ -22,6 +22,7 @@ from procman import (
     InBackoff,
     RestartPolicy,
     StartFailed,
+    StartInterrupted,
     StartTimeout,
     State,
 )
@@ -591,3 +592,29 @@ async def test_shutdown_kills_every_backend_concurrently(h: Harness) -> None:
     assert all(b.state is State.STOPPED for b in backends) and h.spawner.alive() == []
     with pytest.raises(BackendClosed):
         await backends[0].ensure_ready()
+
+
+async def test_reload_during_a_cold_start_serves_the_waiter_from_the_new_spec(h: Harness) -> None:
+    h.spawner.on_spawn = unhealthy
+    backend = h.add(env={"V": "1"})
+    waiter = asyncio.ensure_future(backend.ensure_ready())
+    await h.clock.advance(1.0)
+    assert backend.state is State.STARTING
+    h.spawner.on_spawn = None
+    updating = asyncio.ensure_future(backend.update(replace(backend.spec, env={"V": "2"})))
+    await h.clock.advance(1.0)
+    await updating
+    address = await waiter  # not an error: the reload's start is the one it gets
+    assert address == backend.address and h.spawner.last.env["V"] == "2"
+    assert not h.spawner.procs[0].alive and len(h.spawner.procs) == 2
+
+
+async def test_unload_during_a_cold_start_fails_the_waiter(h: Harness) -> None:
+    h.spawner.on_spawn = unhealthy
+    backend = h.add()
+    waiter = asyncio.ensure_future(backend.ensure_ready())
+    await h.clock.advance(1.0)
+    await h.clock.run(backend.stop("unload"))
+    with pytest.raises(StartInterrupted, match=r"interrupted \(unload\)") as caught:
+        await waiter
+    assert caught.value.by == "unload" and backend.state is State.STOPPED and len(h.spawner.procs) == 1

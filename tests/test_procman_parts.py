@@ -182,6 +182,19 @@ def test_log_buffer_keeps_the_last_lines_and_writes_the_file(tmp_path: Path) -> 
     assert text[:9] == [f"l{i}" for i in range(8)] + ["after"] and "procman: spawned pid=1" in text[9]
 
 
+def test_log_file_rotates_past_its_size_limit(tmp_path: Path) -> None:
+    path = tmp_path / "m.log"
+    logs = LogBuffer(path, max_file_bytes=100)
+    for i in range(30):
+        logs.append(f"line {i:03d}")  # 9 bytes each with the newline
+    logs.close()
+    rotated = (tmp_path / "m.log.1").read_text().splitlines()
+    current = path.read_text().splitlines()
+    assert rotated and rotated[-1] < current[0]
+    assert len(path.read_bytes()) <= 100 and (rotated + current)[-1] == "line 029"
+    assert logs.tail(2) == ["line 028", "line 029"]
+
+
 async def test_log_follow_gives_the_tail_then_live_lines() -> None:
     logs = LogBuffer(None)
     logs.append("old 1")
