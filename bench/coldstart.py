@@ -71,7 +71,7 @@ def run(ctx: Context) -> Section:
     require_model()
     section = Section("coldstart", "Cold start: request to first token for a stopped model")
     tmp = ctx.section_tmp("coldstart")
-    state = tmp / "state"
+    state = ctx.model_state
     router = start_router(ctx.procs, tmp, router_config(state, {MODEL: real_model()}), name="coldstart-router")
     warm_started = time.perf_counter()
     router.load(MODEL)  # converts to IR and fills the cache: the first start ever is not a cold start
@@ -100,8 +100,9 @@ def run(ctx: Context) -> Section:
     source = "the converted IR" if bare and bare[0]["source_ir"] else "the GGUF (no converted IR was found)"
     section.intro = (
         f"{len(cold)} alternating repetitions. Router config: `save_ov_model: true`, `cache_dir` set; the bare "
-        f"baseline loads {source} with the same CACHE_DIR in a fresh process. The first load of the run "
-        f"(conversion + cache fill, not counted) took {first_load_s:.1f} s."
+        f"baseline loads {source} with the same CACHE_DIR in a fresh process. The first load of the section "
+        f"(GGUF -> IR conversion and cache fill unless an earlier section did them; not counted) took "
+        f"{first_load_s:.1f} s."
     )
     section.data = {"cold_s": cold, "bare": bare, "first_load_s": first_load_s}
     return section

@@ -58,6 +58,11 @@ class Context:
     def plot_path(self, name: str) -> Path:
         return self.out_dir / f"{name}.png"
 
+    @property
+    def model_state(self) -> Path:
+        """``state_dir`` shared by the real-model sections: the GGUF is converted to IR once per run."""
+        return self.tmp_dir / "model-state"
+
     def section_tmp(self, name: str) -> Path:
         path = self.tmp_dir / name
         path.mkdir(parents=True, exist_ok=True)

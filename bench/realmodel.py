@@ -112,7 +112,7 @@ def measure(url: str, streams: int, requests_each: int, max_tokens: int) -> tupl
 def _start_pair(ctx: Context) -> tuple[Router, str]:
     """The router with smollm2 loaded (it converts the IR once), then a direct model server on the same config."""
     tmp = ctx.section_tmp("model")
-    router = start_router(ctx.procs, tmp, router_config(tmp / "state", {MODEL: real_model()}), name="model-router")
+    router = start_router(ctx.procs, tmp, router_config(ctx.model_state, {MODEL: real_model()}), name="model-router")
     router.load(MODEL)
     port = free_port()
     argv = [ctx.python, "-m", "modelserver", "--config", str(router.config_path), "--model", MODEL, "--port", str(port)]
