@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -168,6 +169,22 @@ def test_sigterm_shuts_down_gracefully() -> None:
         # uvicorn re-raises the signal after its graceful shutdown, so the parent sees "killed by SIGTERM"
         assert server.wait_exit(timeout_s=10) == -signal.SIGTERM
         assert "Application shutdown complete" in server.log_text()
+
+
+def test_sigterm_during_a_long_stream_still_exits_promptly() -> None:
+    with modelserver(spec=fake_spec(token_delay_s=0.05)) as server, server.client() as client:
+        words = " ".join(f"w{i}" for i in range(1000))  # 50 s of stream
+        with client.stream("POST", "/v1/chat/completions", json=chat(words, stream=True)) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.killpg(server.pid, signal.SIGTERM)
+            received = 0
+            with contextlib.suppress(httpx.TransportError):  # the stream is cut after the grace period
+                for _ in lines:
+                    received += 1
+        assert server.wait_exit(timeout_s=15) == -signal.SIGTERM
+        assert received < 1000
+        assert "timeout graceful shutdown exceeded" in server.log_text()
 
 
 def test_config_file_form_on_a_unix_socket(tmp_path: Path) -> None:

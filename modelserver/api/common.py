@@ -58,8 +58,8 @@ def spec(request: Request) -> ModelSpec:
     return runtime(request).spec
 
 
-def engine_as(request: Request, kind: type[T]) -> T:
-    """The loaded engine (503 while loading or failed), typed as the protocol the handler needs."""
+def engine_as(request: Request, kind: Callable[..., T]) -> T:
+    """The loaded engine (503 while loading or failed), typed as the protocol ``kind`` the handler needs."""
     return cast(T, runtime(request).require())
 
 

@@ -13,6 +13,7 @@ stream) is small next to a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -68,6 +69,7 @@ class Pump:
         self._wake = threading.Event()
         self._active: dict[int, Ticket] = {}
         self._stopping = False
+        self._broken = False
         self.completed = 0
         self.cancelled = 0
         self._thread = threading.Thread(target=self._run, name="ov-pump", daemon=True)
@@ -82,7 +84,8 @@ class Pump:
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def submit(self, ticket: Ticket) -> None:
         self._inbox.put(ticket)
@@ -94,18 +97,22 @@ class Pump:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._admit()
-            self._drop_cancelled()
-            if not self._active and not self._pipe.has_non_finished_requests():
-                self._wake.wait()
-                self._wake.clear()
-                continue
             try:
-                self._pipe.step()
+                self._iterate()
             except Exception as exc:  # the pipeline failed: every request in flight fails with it
                 self._fail_all(exc)
-                continue
-            self._publish()
+                self._broken = True  # step again only for a new request, never in a failing loop
+
+    def _iterate(self) -> None:
+        self._admit()
+        self._drop_cancelled()
+        if not self._active and (self._broken or not self._pipe.has_non_finished_requests()):
+            self._wake.wait()
+            self._wake.clear()
+            return
+        self._pipe.step()
+        self._broken = False
+        self._publish()
 
     def _admit(self) -> None:
         while True:
@@ -160,6 +167,8 @@ class Pump:
         log.error("pipeline step failed with %d requests in flight: %s", len(self._active), one_line(exc))
         for ticket in self._active.values():
             ticket.deliver(exc)
+            with contextlib.suppress(Exception):
+                ticket.handle.cancel()
         self._active.clear()
 
 

@@ -1,0 +1,175 @@
+"""The pump thread and the async stream of the OpenVINO LLM engine, against a scripted pipeline (no model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import openvino_genai as ov_genai
+import pytest
+
+from modelserver.engines.llm import Event, LLMStream, Pump, Ticket, _deliverer
+from modelserver.errors import EngineError
+
+RUNNING, FINISHED, IGNORED = (
+    ov_genai.GenerationStatus.RUNNING,
+    ov_genai.GenerationStatus.FINISHED,
+    ov_genai.GenerationStatus.IGNORED,
+)
+
+
+@dataclass
+class Output:
+    generated_ids: list[int]
+    finish_reason: Any = ov_genai.GenerationFinishReason.NONE
+
+
+@dataclass
+class ScriptedHandle:
+    """Emits one scripted token per step; ends with ``finish`` (or IGNORED) after the last one."""
+
+    tokens: list[int]
+    finish: Any = ov_genai.GenerationFinishReason.LENGTH
+    ignored: bool = False
+    pending: list[int] = field(default_factory=list)
+    status: Any = RUNNING
+    cancelled: bool = False
+
+    def advance(self) -> None:
+        if self.status != RUNNING:
+            return
+        if self.ignored:
+            self.status = IGNORED
+            return
+        self.pending.append(self.tokens.pop(0))
+        if not self.tokens:
+            self.status = FINISHED
+
+    def can_read(self) -> bool:
+        return bool(self.pending)
+
+    def read(self) -> dict[int, Output]:
+        ids, self.pending = self.pending, []
+        return {0: Output(ids, self.finish if self.status == FINISHED else ov_genai.GenerationFinishReason.NONE)}
+
+    def get_status(self) -> Any:
+        return self.status
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.status = ov_genai.GenerationStatus.CANCEL
+
+
+class ScriptedPipeline:
+    def __init__(self) -> None:
+        self.scripts: dict[int, ScriptedHandle] = {}
+        self.handles: dict[int, ScriptedHandle] = {}
+        self.fail_with: Exception | None = None
+        self.steps = 0
+
+    def add_request(self, request_id: int, input_ids: Any, config: Any) -> ScriptedHandle:
+        handle = self.scripts[request_id]
+        self.handles[request_id] = handle
+        return handle
+
+    def has_non_finished_requests(self) -> bool:
+        return any(h.status == RUNNING for h in self.handles.values())
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.fail_with is not None:
+            raise self.fail_with
+        for handle in self.handles.values():
+            handle.advance()
+
+
+class Ids:
+    shape = (1, 3)
+
+
+@pytest.fixture
+def pipeline() -> Iterator[ScriptedPipeline]:
+    yield ScriptedPipeline()
+
+
+@pytest.fixture
+def pump(pipeline: ScriptedPipeline) -> Iterator[Pump]:
+    """A pump not started yet: a test submits what must be admitted together, then starts it."""
+    pump = Pump(pipeline)
+    yield pump
+    pump.stop()
+
+
+def start(pump: Pump, pipeline: ScriptedPipeline, request_id: int, handle: ScriptedHandle) -> LLMStream:
+    pipeline.scripts[request_id] = handle
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    ticket = Ticket(request_id, Ids(), None, _deliverer(asyncio.get_running_loop(), events))
+    pump.submit(ticket)
+    return LLMStream(pump, ticket, events, decode=lambda ids: "".join(chr(96 + i) for i in ids))
+
+
+async def collect(stream: LLMStream) -> str:
+    return "".join([text async for text in stream])
+
+
+async def test_two_requests_are_stepped_together_and_finish_with_their_reasons(
+    pump: Pump, pipeline: ScriptedPipeline
+) -> None:
+    a = start(pump, pipeline, 1, ScriptedHandle([1, 2, 3], finish=ov_genai.GenerationFinishReason.STOP))
+    b = start(pump, pipeline, 2, ScriptedHandle([4, 5, 6, 7, 8]))
+    pump.start()
+    texts = await asyncio.gather(collect(a), collect(b))
+    assert texts == ["abc", "defgh"]
+    assert (a.finish_reason, a.completion_tokens, a.prompt_tokens) == ("stop", 3, 3)
+    assert (b.finish_reason, b.completion_tokens) == ("length", 5)
+    assert pipeline.steps == 5  # batched: five steps served both, not 3 + 5
+    assert (pump.completed, pump.cancelled, pump.running) == (2, 0, 0)
+
+
+async def test_closing_a_stream_cancels_its_handle(pump: Pump, pipeline: ScriptedPipeline) -> None:
+    handle = ScriptedHandle(list(range(1, 27)) * 100)
+    stream = start(pump, pipeline, 1, handle)
+    pump.start()
+    iterator = aiter(stream)
+    assert await anext(iterator)
+    await stream.aclose()
+    for _ in range(200):
+        if handle.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert handle.cancelled
+    assert (pump.cancelled, pump.running) == (1, 0)
+
+
+async def test_a_failing_step_fails_every_request_in_flight(pump: Pump, pipeline: ScriptedPipeline) -> None:
+    streams = [start(pump, pipeline, i, ScriptedHandle([1, 2, 3])) for i in (1, 2)]
+    pipeline.fail_with = RuntimeError("clEnqueue failed: CL_OUT_OF_RESOURCES")
+    pump.start()
+    for stream in streams:
+        with pytest.raises(RuntimeError, match="CL_OUT_OF_RESOURCES"):
+            await collect(stream)
+    assert pump.running == 0
+    await asyncio.sleep(0.2)
+    assert pipeline.steps == 1  # a broken pipeline is not stepped in a loop while nothing is in flight
+    pipeline.fail_with = None
+    assert await collect(start(pump, pipeline, 3, ScriptedHandle([1, 2]))) == "ab"  # a new request tries again
+
+
+async def test_an_ignored_request_is_an_engine_error(pump: Pump, pipeline: ScriptedPipeline) -> None:
+    stream = start(pump, pipeline, 1, ScriptedHandle([1], ignored=True))
+    pump.start()
+    with pytest.raises(EngineError, match="KV cache"):
+        await collect(stream)
+
+
+async def test_a_request_cancelled_before_admission_never_reaches_the_pipeline(
+    pump: Pump, pipeline: ScriptedPipeline
+) -> None:
+    cancelled = start(pump, pipeline, 1, ScriptedHandle([1, 2]))
+    await cancelled.aclose()
+    later = start(pump, pipeline, 2, ScriptedHandle([3]))
+    pump.start()
+    assert await collect(later) == "c"  # admitted after the cancelled one, in the same drain
+    assert list(pipeline.handles) == [2]
