@@ -9,7 +9,7 @@ nothing of the HTTP routes it fronts nor of what the processes compute.
 from __future__ import annotations
 
 from procman.address import Address, AddressAllocator
-from procman.backend import FAILURE_REASONS, Backend, Lease, StartInterrupted
+from procman.backend import FAILURE_REASONS, Backend, Lease
 from procman.errors import (
     BackendClosed,
     BackendUnavailable,
@@ -17,6 +17,7 @@ from procman.errors import (
     InvalidTransition,
     ProcmanError,
     StartFailed,
+    StartInterrupted,
     StartTimeout,
 )
 from procman.logbuffer import LogBuffer

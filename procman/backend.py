@@ -17,35 +17,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from procman import process
-from procman.address import Address, safe_name
-from procman.errors import BackendClosed, BackendUnavailable, InBackoff, InvalidTransition, StartFailed
-from procman.logbuffer import LogBuffer
-from procman.policy import backoff_delay
-from procman.runtime import Runtime
+from procman.address import Address
+from procman.errors import BackendClosed, BackendUnavailable, InBackoff, StartInterrupted
+from procman.lifecycle import Lifecycle
 from procman.spec import BackendSpec
-from procman.states import ALLOWED, State
+from procman.states import State
 
-__all__ = ["FAILURE_REASONS", "Backend", "Lease", "StartInterrupted"]
+__all__ = ["FAILURE_REASONS", "Backend", "Lease"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: Restart reasons that count as a failure of the backend (they feed the backoff).
 FAILURE_REASONS = frozenset({"crash", "hang", "fatal"})
-
-
-class StartInterrupted(BackendUnavailable):
-    """A stop, unload, reload or shutdown (``by``) interrupted the start this caller waited for."""
-
-    def __init__(self, reason: str, by: str) -> None:
-        super().__init__(reason)
-        self.by = by
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,64 +44,10 @@ class Lease:
     generation: int
 
 
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: a start nobody awaited any more must not warn at exit
-
-
-class Backend:
+class Backend(Lifecycle):
     """A model process under supervision. Built by :class:`~procman.manager.ProcessManager`."""
 
-    def __init__(self, spec: BackendSpec, runtime: Runtime) -> None:
-        self.name = spec.name
-        self.spec = spec
-        self.state = State.STOPPED
-        self.state_since = runtime.clock()
-        self.generation = 0
-        self.started_at: float | None = None  # wall clock of the current process's spawn
-        self.last_used: float | None = None  # wall clock of the end of the last request
-        self.in_flight = 0
-        self.starts = 0
-        self.restarts = 0
-        self.failures = 0  # consecutive; reset after stable_after_s READY
-        self.last_error: str | None = None
-        self.exit_code: int | None = None  # of the last process that exited
-        self.logs = LogBuffer(runtime.log_dir / f"{safe_name(spec.name)}.log", runtime.log_lines)
-        self._rt = runtime
-        self._lock = asyncio.Lock()
-        self._running: process.Running | None = None
-        self._start_task: asyncio.Task[Address] | None = None
-        self._abort: asyncio.Event | None = None
-        self._abort_by = "stop"
-        self._monitor: asyncio.Task[None] | None = None
-        self._retry: asyncio.Task[None] | None = None
-        self._idle: asyncio.Task[None] | None = None
-        self._ops: set[asyncio.Task[Any]] = set()
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self._ready_at: float | None = None
-        self._idle_since = runtime.clock()
-        self._backoff_until: float | None = None
-        self._closed = False
-
-    # -- what others read -------------------------------------------------------------
-
-    @property
-    def pid(self) -> int | None:
-        return self._running.pid if self._running is not None else None
-
-    @property
-    def address(self) -> Address | None:
-        return self._running.address if self._running is not None else None
-
-    @property
-    def retry_after_s(self) -> float | None:
-        """Seconds until a start may be tried again, while in BACKOFF."""
-        return self._backoff_remaining() if self.state is State.BACKOFF else None
-
-    def is_idle(self) -> bool:
-        """READY with nothing in flight: what idle stop and eviction may stop."""
-        return self.state is State.READY and self.in_flight == 0
+    # -- what others read --------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, object]:
         self._reset_if_stable()
@@ -138,7 +71,7 @@ class Backend:
     def __repr__(self) -> str:
         return f"<Backend {self.name} {self.state.value} pid={self.pid}>"
 
-    # -- the entry ----------------------------------------------------------------------
+    # -- the entry ---------------------------------------------------------------------------
 
     async def ensure_ready(self) -> Address:
         """The address of a READY process, starting one if needed; raises BackendUnavailable.
@@ -186,10 +119,6 @@ class Backend:
             self._drained.set()
             self._arm_idle()
 
-    def _pending_start(self) -> asyncio.Task[Address] | None:
-        task = self._start_task
-        return task if task is not None and not task.done() else None
-
     async def _ready_locked(self, joined: asyncio.Task[Address] | None) -> Address:
         if joined is not None and joined.done() and not joined.cancelled():
             error = joined.exception()
@@ -214,7 +143,7 @@ class Backend:
             f" (last error: {self.last_error})"
         )
 
-    # -- stop, restart, update ----------------------------------------------------------
+    # -- stop, restart, update ---------------------------------------------------------------
 
     async def stop(self, reason: str = "stop", *, drain: bool = True) -> None:
         """Stop the process (after in-flight requests finish, bounded, when ``drain``); -> STOPPED.
@@ -321,24 +250,6 @@ class Backend:
                 self.spec.drain_timeout_s,
             )
 
-    async def _terminate(self) -> None:
-        """Stop watching, kill the process group, reap it and give its address back."""
-        self._cancel(self._monitor)
-        self._cancel(self._idle)
-        self._ready_at = None
-        running = self._running  # pid and address stay visible while STOPPING
-        if running is None:
-            return
-        try:
-            self.exit_code = await process.terminate(self._rt, self.spec, running, self.logs)
-        except Exception:  # never stay in STOPPING: the group gets SIGKILL and the state moves on
-            log.exception("%s: stopping pid=%s failed; sending SIGKILL", self.name, running.pid)
-            process.kill_now(running)
-        finally:
-            self._running = None
-            self.started_at = None
-            self._rt.allocator.release(running.address)
-
     async def _replace_locked(self, reason: str) -> None:
         """A restart that is no failure: kill what runs, then start again right away."""
         if self.state is State.READY:
@@ -357,7 +268,7 @@ class Backend:
         except BackendUnavailable:
             await self._recover(reason)
 
-    # -- failures and recovery ----------------------------------------------------------
+    # -- failures and recovery ---------------------------------------------------------------
 
     async def _fault_locked(self, reason: str) -> None:
         """The READY process crashed, hung or hit a fatal error: count it, clean up, relaunch."""
@@ -378,15 +289,6 @@ class Backend:
             await self._terminate()
             self._note_failure(error)
         await self._recover(reason)
-
-    def _note_failure(self, error: str) -> float:
-        """Count one failure, move to BACKOFF and return the delay before the next start."""
-        self.failures += 1
-        delay = backoff_delay(self.failures, self.spec.policy)
-        self._backoff_until = self._rt.clock() + delay
-        self.last_error = error
-        self._set_state(State.BACKOFF)
-        return delay
 
     async def _recover(self, reason: str) -> None:
         """In BACKOFF after a failure: relaunch now, later (a timer), or give up after max_retries."""
@@ -422,21 +324,6 @@ class Backend:
         except BackendUnavailable:
             await self._recover(reason)
 
-    def _reset_if_stable(self) -> None:
-        if self.state is not State.READY or not self.failures or self._ready_at is None:
-            return
-        if self._rt.clock() - self._ready_at >= self.spec.policy.stable_after_s:
-            log.info("%s up for %gs: failure count reset", self.name, self.spec.policy.stable_after_s)
-            self.failures = 0
-            self._backoff_until = None
-
-    def _backoff_remaining(self) -> float:
-        if self._backoff_until is None:
-            return 0.0
-        return max(0.0, self._backoff_until - self._rt.clock())
-
-    # -- starting -----------------------------------------------------------------------
-
     async def _before_start(self) -> None:
         if self._rt.before_start is not None:
             await self._rt.before_start(self)
@@ -450,69 +337,11 @@ class Backend:
             return False
         return True
 
-    async def _launch(self, reason: str) -> Address:
-        """Start a process in a task of its own (a cancelled caller does not abort it) and await it."""
-        self._abort = abort = asyncio.Event()
-        task = asyncio.ensure_future(self._start(reason, abort))
-        task.add_done_callback(_consume)
-        self._start_task = task
-        return await asyncio.shield(task)
+    # -- background watchers -----------------------------------------------------------------
 
-    async def _start(self, reason: str, abort: asyncio.Event) -> Address:
-        began = self._rt.clock()
-        self._set_state(State.STARTING)
-        self.started_at = time.time()
-        try:
-            running = await self._launch_process(abort)
-        except process.Aborted as stopped:
-            await self._abandon(stopped.running)
-            by = self._abort_by
-            raise StartInterrupted(f"the start of {self.name} was interrupted ({by})", by=by) from None
-        except BackendUnavailable as exc:
-            self.started_at = None
-            self.exit_code = exc.exit_code if isinstance(exc, StartFailed) else None
-            exc.retry_after_s = self._note_failure(str(exc))
-            self._rt.notify("on_start", self, reason, False, self._rt.clock() - began)
-            raise
-        self._became_ready(running)
-        self._rt.notify("on_start", self, reason, True, self._rt.clock() - began)
-        return running.address
-
-    async def _launch_process(self, abort: asyncio.Event) -> process.Running:
-        try:
-            return await process.launch(self._rt, self.spec, self.logs, abort)
-        except (BackendUnavailable, process.Aborted):
-            raise
-        except Exception as exc:  # a bug or an odd OS error must fail the start, never wedge it in STARTING
-            log.exception("%s: start failed unexpectedly", self.name)
-            raise BackendUnavailable(f"{self.name}: start failed unexpectedly: {exc!r}") from exc
-
-    async def _abandon(self, running: process.Running) -> None:
-        self._running = running
-        self._set_state(State.STOPPING)
-        await self._terminate()
-        self._set_state(State.STOPPED)
-
-    def _became_ready(self, running: process.Running) -> None:
-        self._running = running
-        self.generation += 1
-        self.starts += 1
-        self._ready_at = self._idle_since = self._rt.clock()
-        self._set_state(State.READY)
+    def _on_ready(self, running: process.Running) -> None:
         self._monitor = asyncio.ensure_future(self._watch(running, self.generation))
         self._arm_idle()
-
-    async def _join_start(self) -> None:
-        pending = self._pending_start()
-        if pending is not None:
-            await asyncio.wait({pending})
-
-    def _interrupt_start(self, by: str) -> None:
-        if self._abort is not None and self._pending_start() is not None and not self._abort.is_set():
-            self._abort_by = by
-            self._abort.set()
-
-    # -- background watchers ------------------------------------------------------------
 
     async def _watch(self, running: process.Running, generation: int) -> None:
         reason = await process.watch(self._rt, self.spec, running)
@@ -543,28 +372,3 @@ class Backend:
             if self.is_idle() and self._rt.clock() - self._idle_since >= timeout:
                 log.info("%s idle for %gs", self.name, timeout)
                 await self._stop_locked("idle", drain=False)
-
-    # -- the one mutator ----------------------------------------------------------------
-
-    def _set_state(self, new: State) -> None:
-        old = self.state
-        if new not in ALLOWED[old]:
-            raise InvalidTransition(f"{self.name}: {old.name}->{new.name} is not an allowed transition")
-        self.state = new
-        self.state_since = self._rt.clock()
-        log.info("%s %s->%s pid=%s", self.name, old.name, new.name, self.pid)
-        self._rt.notify("on_transition", self, old, new)
-
-    # -- task plumbing ------------------------------------------------------------------
-
-    async def _owned(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` in a task this backend keeps; the caller's cancellation does not stop it."""
-        task = asyncio.ensure_future(coro)
-        self._ops.add(task)
-        task.add_done_callback(self._ops.discard)
-        return await asyncio.shield(task)
-
-    @staticmethod
-    def _cancel(task: asyncio.Task[Any] | None) -> None:
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()

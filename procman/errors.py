@@ -7,6 +7,7 @@
      └ BackendUnavailable       ensure_ready could not give an address (reason, retry_after_s)
         ├ StartFailed           the process exited while starting (exit_code, log_tail)
         │  └ StartTimeout       the health path did not answer 200 within startup_timeout_s
+        ├ StartInterrupted      a stop, unload, reload or shutdown (by) cut the awaited start short
         ├ InBackoff             recent failures; fails fast, retry_after_s = the remaining delay
         └ BackendClosed         the backend was removed or the manager is shutting down
 """
@@ -20,6 +21,7 @@ __all__ = [
     "InvalidTransition",
     "ProcmanError",
     "StartFailed",
+    "StartInterrupted",
     "StartTimeout",
 ]
 
@@ -61,6 +63,14 @@ class StartFailed(BackendUnavailable):
 
 class StartTimeout(StartFailed):
     """The process stayed up but never answered 200 on its health path in time."""
+
+
+class StartInterrupted(BackendUnavailable):
+    """A stop, unload, reload or shutdown (``by``) interrupted the start this caller waited for."""
+
+    def __init__(self, reason: str, by: str) -> None:
+        super().__init__(reason)
+        self.by = by
 
 
 class InBackoff(BackendUnavailable):
