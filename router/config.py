@@ -40,7 +40,7 @@ class RouterSettings(_Frozen):
     cache_dir: str = Field(".ovrouter/ov-cache", description="OpenVINO CACHE_DIR handed to every model server")
     transport: Literal["uds", "tcp"] = Field("uds", description="how the router reaches model servers: uds | tcp")
     port_range: tuple[int, int] = Field((20000, 20999), description="TCP ports for model servers (transport tcp)")
-    max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle one stops first); 0 = none")
+    max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
 

@@ -181,3 +181,11 @@ async def test_read_body_refuses_past_the_limit_without_content_length() -> None
         await read_body(receive, None, 1000)
     with pytest.raises(PayloadTooLarge):
         await read_body(receive, 5000, 1000)
+
+
+def test_readme_config_reference_matches_the_config_models() -> None:
+    from router.docs import BEGIN, END, reference
+
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    assert readme[start:end] == reference(), "README's config reference is stale: paste `python -m router.docs`"
