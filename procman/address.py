@@ -111,7 +111,7 @@ class AddressAllocator:
         low, high = port_range
         if not 0 < low <= high < 65536:
             raise ValueError(f"port_range: expected [low, high] within 1..65535, got {list(port_range)}")
-        self._runtime_dir = Path(runtime_dir)
+        self._runtime_dir = Path(runtime_dir).absolute()  # children run in other cwds: paths must be absolute
         self._ports = range(low, high + 1)
         self._host = host
         self._cursor = 0

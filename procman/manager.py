@@ -45,7 +45,7 @@ class ProcessManager:
         before_start: Callable[[Backend], Awaitable[None]] | None = None,
         log_lines: int = 1000,
     ) -> None:
-        self.runtime_dir = Path(runtime_dir)
+        self.runtime_dir = Path(runtime_dir).absolute()
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
         self._runtime = Runtime(
             allocator=AddressAllocator(self.runtime_dir, port_range),

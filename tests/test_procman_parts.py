@@ -98,6 +98,12 @@ def test_sockets_live_in_a_private_directory(tmp_path: Path) -> None:
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
 
 
+def test_relative_runtime_dir_gives_absolute_socket_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    address = AddressAllocator(Path(".ovrouter")).allocate("m", "uds")
+    assert address.path == str(tmp_path / ".ovrouter" / "sockets" / "m.sock")  # a child with another cwd finds it
+
+
 def test_too_deep_runtime_dir_falls_back_to_a_short_private_dir(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     allocator = AddressAllocator(deep)

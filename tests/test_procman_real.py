@@ -289,3 +289,27 @@ async def test_idle_backend_is_stopped_for_real(manager: ProcessManager, recorde
     assert gone(pid) and recorder.stops == [(backend.name, "idle")]
     await backend.ensure_ready()  # and the next request cold-starts it again
     assert backend.pid not in (None, pid) and os.path.exists(str(backend.address.path if backend.address else ""))
+
+
+def test_under_uvloop_ready_crash_relaunch_and_stop(tmp_path: Path) -> None:
+    """The router runs under uvicorn's uvloop: spawning, exit notice and stop must work there too."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> tuple[int, int, int | None]:
+        pm = ProcessManager(tmp_path / "rt")
+        try:
+            backend = pm.add(BackendSpec(name="u", argv=Server("standin").argv("uds"), health_interval_s=3600.0))
+            address = await backend.ensure_ready()
+            first = backend.pid
+            assert first is not None
+            await Server("standin").send_fault(address, "crash", timeout_s=10.0)
+            await eventually(lambda: backend.generation == 2 and backend.state is State.READY, 30.0, "relaunch")
+            second = backend.pid
+            assert second is not None
+            await backend.stop()
+            return first, second, backend.exit_code
+        finally:
+            await pm.shutdown()
+
+    first, second, code = uvloop.run(scenario())
+    assert first != second and gone(first) and gone(second) and code == -signal.SIGTERM
