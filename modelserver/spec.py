@@ -187,7 +187,7 @@ def _describe(err: Mapping[str, Any], field: str | None) -> str:
     }
     if kind == "value_error":
         return str(ctx.get("error", err["msg"]))
-    return phrases.get(kind, err["msg"])
+    return phrases.get(kind, str(err["msg"]))
 
 
 def _bound_of(field: str | None) -> str:

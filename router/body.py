@@ -102,7 +102,7 @@ def _form_model(body: bytes, boundary: bytes | None, known: Iterable[str]) -> st
 
     parser = MultipartParser(
         boundary,
-        {  # type: ignore[arg-type]
+        {
             "on_header_field": on_header_field,
             "on_header_value": on_header_value,
             "on_header_end": on_header_end,

@@ -26,6 +26,7 @@ class Metrics:
         self.restarts = Counter(
             "ovrouter_model_restarts", "relaunches after a failure", ["model", "reason"], registry=r
         )
+        self.stops = Counter("ovrouter_model_stops", "deliberate stops", ["model", "reason"], registry=r)
         self.requests = Counter(
             "ovrouter_requests", "proxied requests by final status", ["model", "status"], registry=r
         )

@@ -198,3 +198,7 @@ class Registry:
 
     def on_restart(self, backend: Backend, reason: str) -> None:
         self.metrics.restarts.labels(backend.name, reason).inc()
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        if backend.name in self.models:
+            self.metrics.stops.labels(backend.name, reason).inc()
