@@ -283,12 +283,21 @@ class Backend(Lifecycle):
             await self._terminate()  # reaps, and kills what the process left in its group
             self._note_failure(error + ("; last log lines:\n" + "\n".join(tail) if tail else ""))
         else:
-            error = f"{self.name} pid={self.pid} was killed and relaunched: {reason}"
+            error = f"{self.name} pid={self.pid} was killed: {self._fault_words(reason)}"
             log.warning("%s", error)
             self._set_state(State.STOPPING)
             await self._terminate()
             self._note_failure(error)
         await self._recover(reason)
+
+    def _fault_words(self, reason: str) -> str:
+        if reason == "hang":
+            spec = self.spec
+            timeout = f"{spec.health_timeout_s:g}s timeout"
+            return f"{spec.health_path} failed {spec.health_failures} probes in a row ({timeout})"
+        if reason == "fatal":
+            return "the backend reported an unrecoverable (fatal) error"
+        return reason
 
     async def _recover(self, reason: str) -> None:
         """In BACKOFF after a failure: relaunch now, later (a timer), or give up after max_retries."""

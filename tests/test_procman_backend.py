@@ -297,6 +297,7 @@ async def test_hang_is_killed_and_relaunched_after_n_failed_probes(h: Harness) -
     assert hung.signals[:2] == [signal.SIGTERM, signal.SIGKILL] and not hung.alive
     assert backend.state is State.READY and backend.pid != hung.pid
     assert h.recorder.restarts == [("m", "hang")] and h.recorder.starts[-1] == ("m", "hang", True)
+    assert f"pid={hung.pid} was killed: /health failed 3 probes in a row" in (backend.last_error or "")
 
 
 async def test_one_good_probe_resets_the_hang_count(h: Harness) -> None:
