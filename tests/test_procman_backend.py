@@ -619,3 +619,32 @@ async def test_unload_during_a_cold_start_fails_the_waiter(h: Harness) -> None:
     with pytest.raises(StartInterrupted, match=r"interrupted \(unload\)") as caught:
         await waiter
     assert caught.value.by == "unload" and backend.state is State.STOPPED and len(h.spawner.procs) == 1
+
+
+async def test_a_failing_listener_does_not_break_the_state_machine(h: Harness) -> None:
+    class Broken:
+        def on_transition(self, *args: object) -> None:
+            raise RuntimeError("metrics are down")
+
+    h.manager.listener = Broken()  # type: ignore[assignment]
+    backend = h.add()
+    await backend.ensure_ready()
+    await backend.stop()
+    assert backend.state is State.STOPPED
+
+
+async def test_cancelled_request_while_waiting_for_a_start_is_not_counted(h: Harness) -> None:
+    h.spawner.on_spawn = unhealthy
+    backend = h.add()
+
+    async def one_request() -> None:
+        async with backend.request():
+            raise AssertionError("never admitted")
+
+    req = asyncio.ensure_future(one_request())
+    await h.clock.advance(1.0)
+    req.cancel()
+    await asyncio.gather(req, return_exceptions=True)
+    h.spawner.last.healthy = True
+    await h.clock.advance(1.0)
+    assert backend.state is State.READY and backend.in_flight == 0 and backend.is_idle()
