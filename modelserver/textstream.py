@@ -17,16 +17,21 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
 
     A byte-level tokenizer may spread one character over several tokens; decoding them one
-    at a time gives U+FFFD. Each push decodes a short window that starts a few tokens back
-    (so a leading-space rule of the tokenizer sees the same context as a full decode) and
-    emits the new text only once it no longer ends in U+FFFD (the vLLM prefix/read offsets).
+    at a time gives U+FFFD. Each push decodes the ids of a window that starts a few tokens
+    back (so a tokenizer's leading-space rule sees the same context as a full decode) and
+    emits the new end of that text once it no longer ends in U+FFFD. The window slides
+    forward every ``window`` tokens, so a push costs one decode of at most ``window`` +
+    ``context`` ids, plus one more decode per slide.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], window: int = 16, context: int = 4) -> None:
         self._decode = decode
+        self._window = window
+        self._context = context
         self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids up to here are already emitted as text
+        self._start = 0  # the decode window starts here
+        self._read = 0  # ids before this index are emitted as text
+        self._emitted = 0  # characters of decode(ids[start:read]) already emitted
 
     @property
     def token_count(self) -> int:
@@ -44,12 +49,15 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or (after.endswith(REPLACEMENT) and not final):
+        text = self._decode(self._ids[self._start :])
+        if len(text) <= self._emitted or (text.endswith(REPLACEMENT) and not final):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before) :]
+        delta = text[self._emitted :]
+        self._read, self._emitted = len(self._ids), len(text)
+        if self._read - self._start > self._window:
+            self._start = self._read - self._context
+            self._emitted = len(self._decode(self._ids[self._start : self._read]))
+        return delta
 
 
 class StopMatcher:

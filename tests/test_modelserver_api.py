@@ -310,3 +310,42 @@ async def test_embedding_fault_markers(embedder: httpx.AsyncClient) -> None:
     response = await embedder.post("/v1/embeddings", json={"input": ["ok", "x [[fatal]]"]})
     assert_error(response, 500, "CL_OUT_OF_RESOURCES")
     assert response.headers[FATAL_HEADER] == "1"
+
+
+class FailingMidStream(FakeTextGenerator):
+    """Two words, then the engine fails with ``message`` (as a GPU driver would, mid-generation)."""
+
+    def __init__(self, spec: ModelSpec, message: str) -> None:
+        super().__init__(spec)
+        self.message = message
+
+    def generate(self, request: Any) -> Any:
+        stream = super().generate(request)
+        message = self.message
+
+        async def deltas() -> AsyncIterator[str]:
+            yield "two"
+            yield " words"
+            raise RuntimeError(message)
+
+        stream._gen = deltas()  # type: ignore[attr-defined]
+        return stream
+
+
+@pytest.mark.parametrize(("message", "fatal"), [("CL_OUT_OF_RESOURCES in kernel", True), ("a transient hiccup", False)])
+async def test_an_engine_error_mid_stream_ends_the_stream_with_an_error_event(message: str, fatal: bool) -> None:
+    spec = fake_spec()
+    async with client_for(build_app(spec, FailingMidStream(spec, message))) as client:
+        response = await client.post("/v1/chat/completions", json=chat("x", stream=True))
+        assert response.status_code == 200  # the stream had started: the error travels in it
+        events = sse_events(response.text)
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices")) == "two words"
+        assert message in events[-1]["error"]["message"]
+        assert events[-1]["error"]["code"] == ("engine_fatal" if fatal else "engine_error")
+        assert (await client.get("/health")).status_code == (503 if fatal else 200)
+
+
+async def test_error_marker_in_a_stream_is_a_500_before_the_stream(llm: httpx.AsyncClient) -> None:
+    response = await llm.post("/v1/chat/completions", json=chat("[[error]]", stream=True))
+    assert_error(response, 500, "injected error")
+    assert not response.headers["content-type"].startswith("text/event-stream")

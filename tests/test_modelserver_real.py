@@ -104,6 +104,8 @@ async def test_four_concurrent_streams_are_batched_and_complete(server: ModelSer
             model="smollm2",
             messages=[{"role": "user", "content": f"What is the capital of {country}?"}],
             temperature=0,
+            max_tokens=100,
+            extra_body={"ignore_eos": True},  # long enough that the four surely overlap, even on a busy CPU
             stream=True,
         )
         parts = []
@@ -117,7 +119,7 @@ async def test_four_concurrent_streams_are_batched_and_complete(server: ModelSer
     async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as sdk:
         answers = await asyncio.gather(*(ask(sdk, country) for country in questions))
     for (country, capital), answer in zip(questions.items(), answers, strict=True):
-        assert capital in answer, (country, answer)
+        assert capital in answer[:60], (country, answer)
     first_done = next(i for i, (kind, _) in enumerate(events) if kind == "done")
     started = {country for kind, country in events[:first_done] if kind == "token"}
     assert started == set(questions), "every stream produced tokens before the first one finished"

@@ -49,6 +49,27 @@ def test_several_ids_per_push() -> None:
     assert all("\ufffd" not in delta for delta in deltas)
 
 
+@pytest.mark.parametrize(("window", "context"), [(2, 1), (4, 2), (16, 4)])
+def test_a_sliding_window_gives_the_same_text_as_one_decode(window: int, context: int) -> None:
+    text = "Zoë's café — naïve façade, 🙂 déjà vu! " * 8
+    data = text.encode()
+    pieces = [data[i : i + 2] for i in range(0, len(data), 2)]  # two bytes per token: characters straddle tokens
+    tokenizer = ByteTokenizer(pieces)
+    calls: list[int] = []
+
+    def counting_decode(ids: Sequence[int]) -> str:
+        calls.append(len(ids))
+        return tokenizer.decode(ids)
+
+    deltas = stream_text(
+        IncrementalDetokenizer(counting_decode, window=window, context=context), list(range(len(pieces)))
+    )
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert max(calls) <= window + context + 2  # bounded work per push, whatever the length
+    assert len(calls) < 1.5 * len(pieces)
+
+
 def test_flush_releases_an_incomplete_character_at_the_end() -> None:
     tokenizer = ByteTokenizer([b"ok", "é".encode()[:1]])
     detok = IncrementalDetokenizer(tokenizer.decode)
