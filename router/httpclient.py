@@ -198,6 +198,11 @@ class UpstreamResponse:
             self._conn.transport.close()
 
 
+def _expire(future: asyncio.Future[None], message: str) -> None:
+    if not future.done():
+        future.set_exception(UpstreamTimeout(message))
+
+
 class ConnectionPool:
     """Keep-alive connections to one backend address (a Unix socket path, or a base URL)."""
 
@@ -273,15 +278,19 @@ class ConnectionPool:
         conn.parser = httptools.HttpResponseParser(conn)
         conn.head = asyncio.get_running_loop().create_future()
         conn.transport.write(payload)
+        head = conn.head
+        timer = None
+        if head_timeout_s is not None:  # a timer handle is cheaper than asyncio.timeout() per request
+            message = f"no response within {head_timeout_s:g}s"
+            timer = head.get_loop().call_later(head_timeout_s, _expire, head, message)
         try:
-            async with asyncio.timeout(head_timeout_s):
-                await conn.head
-        except TimeoutError:
-            conn.transport.close()
-            raise UpstreamTimeout(f"no response within {head_timeout_s:g}s") from None
+            await head
         except BaseException:
             conn.transport.close()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         return response
 
     def close(self) -> None:
