@@ -8,6 +8,7 @@ models of the real architectures, so their tests assert shapes, formats and plum
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from collections.abc import Iterator
@@ -258,6 +259,14 @@ def test_llava_stream_matches_the_whole_answer(llava: ModelServerProcess) -> Non
     assert text == whole["choices"][0]["message"]["content"]
     assert events[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 6
     assert whole["choices"][0]["finish_reason"] == "length"
+
+
+async def test_llava_serves_concurrent_requests_in_turn(llava: ModelServerProcess) -> None:
+    async with llava.async_client() as client:
+        bodies = [vision([ASK, IMAGE], max_tokens=4, seed=i) for i in range(3)]
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for body in bodies))
+    assert [r.status_code for r in responses] == [200, 200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
 
 
 def test_llava_refuses_remote_images(llava: ModelServerProcess) -> None:
