@@ -83,6 +83,26 @@ def test_minilm_float_and_base64_agree_and_usage_counts_real_tokens(minilm: Mode
     assert single["data"][0]["embedding"] == pytest.approx(floats["data"][1]["embedding"], abs=1e-5)
 
 
+def test_minilm_load_used_the_cache_dir(minilm: ModelServerProcess, cache_dir: Path) -> None:
+    assert any(cache_dir.iterdir()), "OpenVINO wrote no compiled-model cache into CACHE_DIR"
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"options": {"pooling": "median"}}, "options.pooling: expected one of cls, mean, last_token"),
+        ({"options": {"poolin": "mean"}}, "options.poolin: unknown option for task embeddings"),
+        ({"options": {"normalize": "yes"}}, "options.normalize: expected true or false"),
+        ({"path": str(MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf")}, "is not a folder"),
+    ],
+)
+def test_bad_embeddings_settings_fail_the_load_naming_the_key(settings: dict[str, Any], needle: str) -> None:
+    raw = {"task": "embeddings", "path": model_path("minilm-ov"), **settings}
+    with modelserver(spec=build_model_spec("bad", raw), wait=False) as server:
+        assert server.wait_exit(60) == 1
+        assert needle in server.log_text()
+
+
 def test_minilm_batch_is_one_pipeline_call(minilm: ModelServerProcess) -> None:
     with minilm.client() as client:
         before = client.get("/health").json()["completed"]
