@@ -150,7 +150,10 @@ class Registry:
         return scopes
 
     def _loaded(self, members: list[Backend], exclude: Backend) -> list[Backend]:
-        return [b for b in members if b is not exclude and (b.state in LOADED or b.name in self._reserved)]
+        return [
+            b for b in members
+            if b is not exclude and b.spec.url is None and (b.state in LOADED or b.name in self._reserved)
+        ]
 
     async def _make_room(self, backend: Backend) -> None:
         """Stop least-recently-used idle models until ``backend`` fits every scope it is in.
@@ -158,7 +161,9 @@ class Registry:
         A busy model is never stopped to make room: the start waits (bounded by the model's
         ``startup_timeout_s``) for one to become idle, then fails with a clear reason."""
         model = self.models.get(backend.name)
-        deadline = time.monotonic() + (model.spec.startup_timeout_s if model else 60.0)
+        if model is None or model.spec.url is not None:  # a remote backend holds no memory here
+            return
+        deadline = time.monotonic() + model.spec.startup_timeout_s
         async with self._room:
             for label, limit, members in self._scopes(backend):
                 await self._fit(backend, label, limit, members, deadline)
