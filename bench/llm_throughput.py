@@ -9,10 +9,13 @@ concurrent streams:
 - **server**: N concurrent streamed ``/v1/chat/completions`` requests over HTTP to a model
   server process (one pipeline, its pump thread batching them).
 
+The rounds alternate (bare N=1, server N=1, bare N=4, ...; ``repeats`` times), so a noisy
+neighbour on the CPU hits both sides alike; the median of the rounds is reported.
+
 Aggregate tokens/s = N x tokens / wall time from the first request to the last token.
 Targets: 8 streams >= 3.5x one stream; the server within 10% of the bare pipeline.
-The two sides run one after the other, never at the same time, on a CPU that other work
-may share: the numbers are only as quiet as the machine was.
+The two sides never run at the same time, but the CPU may be shared with other work: the
+numbers are only as quiet as the machine was.
 """
 
 from __future__ import annotations
@@ -50,36 +53,38 @@ PROMPTS = [
 ]
 
 
-def _bare_round(ov_genai: Any, pipe: Any, prompts: Sequence[Any], tokens: int) -> float:
-    config = ov_genai.GenerationConfig()
-    config.max_new_tokens = tokens
-    config.ignore_eos = True
-    started = time.perf_counter()
-    handles = [pipe.add_request(i, ids, config) for i, ids in enumerate(prompts)]
-    while pipe.has_non_finished_requests():
-        pipe.step()
-    elapsed = time.perf_counter() - started
-    generated = sum(len(out.generated_ids) for h in handles for out in h.read_all())
-    assert generated == tokens * len(prompts), f"bare pipeline generated {generated} tokens"
-    return generated / elapsed
+class Bare:
+    """The pipeline in this process: N requests added at once, ``step()`` until all finish."""
 
+    def __init__(self, model: Path, cache_dir: str) -> None:
+        import openvino_genai as ov_genai
 
-def measure_bare(model: Path, cache_dir: str, tokens: int, repeats: int) -> dict[int, float]:
-    import openvino_genai as ov_genai
+        self._ov = ov_genai
+        self._pipe = ov_genai.ContinuousBatchingPipeline(
+            str(model), ov_genai.SchedulerConfig(), "CPU", {"CACHE_DIR": cache_dir}
+        )
+        tokenizer = self._pipe.get_tokenizer()
+        self._prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                add_special_tokens=False,
+            ).input_ids
+            for p in PROMPTS
+        ]
+        self.round(1, 8)  # warm-up
 
-    pipe = ov_genai.ContinuousBatchingPipeline(str(model), ov_genai.SchedulerConfig(), "CPU", {"CACHE_DIR": cache_dir})
-    tokenizer = pipe.get_tokenizer()
-    encoded = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
-            add_special_tokens=False,
-        ).input_ids
-        for p in PROMPTS
-    ]
-    _bare_round(ov_genai, pipe, encoded[:1], 8)  # warm-up
-    return {
-        n: statistics.median(_bare_round(ov_genai, pipe, encoded[:n], tokens) for _ in range(repeats)) for n in STREAMS
-    }
+    def round(self, n: int, tokens: int) -> float:
+        config = self._ov.GenerationConfig()
+        config.max_new_tokens = tokens
+        config.ignore_eos = True
+        started = time.perf_counter()
+        handles = [self._pipe.add_request(i, ids, config) for i, ids in enumerate(self._prompts[:n])]
+        while self._pipe.has_non_finished_requests():
+            self._pipe.step()
+        elapsed = time.perf_counter() - started
+        generated = sum(len(out.generated_ids) for h in handles for out in h.read_all())
+        assert generated == tokens * n, f"bare pipeline generated {generated} tokens"
+        return generated / elapsed
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: str, tokens: int) -> int:
@@ -108,74 +113,93 @@ async def _server_round(client: httpx.AsyncClient, n: int, tokens: int) -> float
     return sum(counts) / elapsed
 
 
-async def _measure_server_async(base_url: str, tokens: int, repeats: int) -> dict[int, float]:
-    limits = httpx.Limits(max_connections=16)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        await _server_round(client, 1, 8)  # warm-up
-        results = {}
-        for n in STREAMS:
-            results[n] = statistics.median([await _server_round(client, n, tokens) for _ in range(repeats)])
-        return results
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _start_server(model: Path, cache_dir: str, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    spec = {"name": "bench-llm", "path": str(model), "cache_dir": cache_dir}
-    env = {**os.environ, "OVROUTER_MODEL_SPEC": json.dumps(spec)}
-    with log_path.open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "modelserver", "--model", "bench-llm", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+class Server:
+    """A ``python -m modelserver`` process and one HTTP client kept across rounds."""
 
-
-def _wait_ready(proc: subprocess.Popen[bytes], base_url: str, log_path: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"model server exited: {log_path.read_text(errors='replace')[-2000:]}")
+    def __init__(self, model: Path, cache_dir: str, workdir: Path) -> None:
+        port = _free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log = workdir / "modelserver.log"
+        spec = {"name": "bench-llm", "path": str(model), "cache_dir": cache_dir}
+        env = {**os.environ, "OVROUTER_MODEL_SPEC": json.dumps(spec)}
+        with self._log.open("wb") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "modelserver", "--model", "bench-llm", "--port", str(port)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._runner = asyncio.Runner()
         try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("model server not ready")
+            self._wait_ready()
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, timeout=600, limits=httpx.Limits(max_connections=16)
+            )
+            self.round(1, 8)  # warm-up
+        except BaseException:
+            self.close()
+            raise
 
+    def _wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"model server exited: {self._log.read_text(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("model server not ready")
 
-def measure_server(model: Path, cache_dir: str, tokens: int, repeats: int, workdir: Path) -> dict[int, float]:
-    port = _free_port()
-    log_path = workdir / "modelserver.log"
-    proc = _start_server(model, cache_dir, port, log_path)
-    try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
-        return asyncio.run(_measure_server_async(f"http://127.0.0.1:{port}", tokens, repeats))
-    finally:
-        proc.terminate()
+    def round(self, n: int, tokens: int) -> float:
+        return self._runner.run(_server_round(self._client, n, tokens))
+
+    def close(self) -> None:
+        if hasattr(self, "_client"):
+            self._runner.run(self._client.aclose())
+        self._runner.close()
+        self._proc.terminate()
         try:
-            proc.wait(15)
+            self._proc.wait(15)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            self._proc.kill()
+            self._proc.wait()
+
+
+def measure(model: Path, tokens: int, repeats: int) -> dict[str, dict[int, list[float]]]:
+    """tok/s samples per side and stream count; the rounds of the two sides alternate, so noise hits both."""
+    samples: dict[str, dict[int, list[float]]] = {"bare": {n: [] for n in STREAMS}, "server": {n: [] for n in STREAMS}}
+    with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
+        cache_dir = str(Path(tmp) / "ov-cache")
+        bare = Bare(model, cache_dir)
+        server = Server(model, cache_dir, Path(tmp))
+        try:
+            for _ in range(repeats):
+                for n in STREAMS:
+                    samples["bare"][n].append(bare.round(n, tokens))
+                    samples["server"][n].append(server.round(n, tokens))
+        finally:
+            server.close()
+    return samples
 
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure both sides; returns rows per stream count, the two targets and notes."""
     if not MODEL.is_file():
         raise FileNotFoundError(f"{MODEL} is missing: run `make models`")
-    tokens, repeats = (16, 1) if quick else (64, 3)
-    with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
-        cache_dir = str(Path(tmp) / "ov-cache")
-        bare = measure_bare(MODEL, cache_dir, tokens, repeats)
-        server = measure_server(MODEL, cache_dir, tokens, repeats, Path(tmp))
+    tokens, repeats = (16, 1) if quick else (64, 5)
+    samples = measure(MODEL, tokens, repeats)
+    bare = {n: statistics.median(values) for n, values in samples["bare"].items()}
+    server = {n: statistics.median(values) for n, values in samples["server"].items()}
     rows = [
         {
             "streams": n,
@@ -183,6 +207,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "server tok/s": round(server[n], 1),
             "server / bare": round(server[n] / bare[n], 3),
             "server scaling vs 1 stream": round(server[n] / server[1], 2),
+            "bare range": f"{min(samples['bare'][n]):.1f}-{max(samples['bare'][n]):.1f}",
+            "server range": f"{min(samples['server'][n]):.1f}-{max(samples['server'][n]):.1f}",
         }
         for n in STREAMS
     ]
@@ -196,7 +222,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "target_server_within_10pct": all(server[n] >= 0.9 * bare[n] for n in STREAMS),
         "notes": [
             f"{tokens} tokens per stream (ignore_eos, greedy), SmolLM2-135M Q4_1 GGUF on CPU, default SchedulerConfig.",
-            f"CPU: {os.cpu_count()} cores, shared with whatever else ran; bare and server run one after the other.",
+            f"CPU: {os.cpu_count()} cores, shared with whatever else ran. Bare and server rounds alternate "
+            f"(never at the same time); median of {repeats} rounds each.",
         ]
         + (["quick mode: 16 tokens, one repeat; the numbers mean little."] if quick else []),
     }

@@ -50,8 +50,9 @@ def http_get(url: str, timeout_s: float = 2.0) -> tuple[int, bytes]:
             return int(resp.status), bytes(resp.read())
     except urllib.error.HTTPError as exc:
         return int(exc.code), bytes(exc.read())
-    except (OSError, ValueError):
-        return 0, b""
+    except (OSError, ValueError) as exc:
+        log.debug("GET %s: %s", url, exc)
+        return 0, repr(exc).encode()
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02) -> float:

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +68,14 @@ class Router:
     config_path: Path
     start_s: float
 
-    def get(self, path: str) -> Any:
-        status, body = http_get(self.url + path, timeout_s=10)
+    def get(self, path: str, attempts: int = 3) -> Any:
+        """GET a JSON body; a connection-level failure (no status) is retried, and logged, twice."""
+        for attempt in range(1, attempts + 1):
+            status, body = http_get(self.url + path, timeout_s=10)
+            if status != 0 or attempt == attempts:
+                break
+            log.warning("GET %s failed (%s), attempt %d of %d", path, body.decode(errors="replace"), attempt, attempts)
+            time.sleep(0.2)
         if status != 200:
             raise RuntimeError(f"GET {path}: {status} {body[:300]!r}")
         return json.loads(body)
