@@ -81,7 +81,7 @@ def run(ctx: Context) -> Section:
     section = Section("memory", "Memory: router and model servers, and what a stop gives back")
     tmp = ctx.section_tmp("memory")
     models = _models(ctx)
-    router = start_router(ctx.procs, tmp, router_config(tmp / "state", models), name="memory-router")
+    router = start_router(ctx.procs, tmp, router_config(ctx.model_state, models), name="memory-router")
     rows = [_router_row(f"router, {len(models)} models configured, none loaded", router)]
     for name in models:  # the idle-stopping one last, so it is still up when measured
         if name != IDLE_MODEL:

@@ -162,7 +162,7 @@ def _rows(episodes: list[Episode]) -> list[list[object]]:
 def run(ctx: Context) -> Section:
     section = Section("recovery", "Recovery from a fatal error and from kill -9")
     tmp = ctx.section_tmp("recovery")
-    config = router_config(tmp / "state", _models(ctx), {"health_interval_s": 1})
+    config = router_config(ctx.model_state, _models(ctx), {"health_interval_s": 1})
     router = start_router(ctx.procs, tmp, config, name="recovery-router")
     for name in _models(ctx):
         router.load(name)  # preload: wait until READY
