@@ -254,9 +254,8 @@ def _resolve_paths(spec: ModelSpec, base_dir: Path) -> ModelSpec:
         path = Path(os.path.expanduser(value))
         return str(path if path.is_absolute() else (base_dir / path).resolve())
 
-    return spec.model_copy(
-        update={"path": absolute(spec.path), "cache_dir": absolute(spec.cache_dir), "state_dir": absolute(spec.state_dir)}
-    )
+    paths = {"path": spec.path, "cache_dir": spec.cache_dir, "state_dir": spec.state_dir}
+    return spec.model_copy(update={key: absolute(value) for key, value in paths.items()})
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
