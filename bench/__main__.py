@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background (SIG_IGN)
     signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     tools = deps.detect()
     loadgen = _loadgen(args.loadgen, tools)
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                 sections.append(_run_section(key, ctx))
     except KeyboardInterrupt:
         interrupted = True
+        if len(sections) < len(keys):
+            key = keys[len(sections)]
+            sections.append(Section(key, SECTIONS[key][1], status="failed", notes=["Interrupted (Ctrl-C or SIGTERM)."]))
         log.warning("interrupted: every process was stopped; writing what was measured")
     finally:
         machine["loadavg_end"] = os.getloadavg()

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import Context, Section, Table, median, ratio
-from bench.procs import ROOT
+from bench.procs import ROOT, die_with_parent
 from bench.realmodel import DEMO_GGUF, MODEL, PROMPT, _payload, real_model, require_model, stream_chat
 from bench.routerctl import Router, router_config, start_router
 
@@ -56,7 +56,8 @@ def _bare(ctx: Context, state_dir: Path) -> dict[str, float]:
     argv = [ctx.python, "-m", "bench.bare_pipeline", "--cache-dir", str(state_dir / "ov-cache"), "--prompt", PROMPT]
     argv += ["--path", str(ir), "--tokenizer", str(DEMO_GGUF)] if ir else ["--path", str(DEMO_GGUF)]
     start = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False, cwd=ROOT,
+                          preexec_fn=die_with_parent)  # noqa: PLW1509 - only a prctl
     wall = time.perf_counter() - start
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("{")), None)
     if done.returncode != 0 or line is None:

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from bench.procs import die_with_parent
+
 __all__ = ["PERCENTILES", "LoadResult", "Target", "run_asyncio", "run_load", "run_wrk"]
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,8 @@ def run_wrk(target: Target, connections: int, duration_s: float, wrk: str = "wrk
     seconds = max(1, round(duration_s))
     argv = [wrk, "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(WRK_SCRIPT), target.url]
     env = {**os.environ, "BENCH_BODY": target.body.decode()}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 30, check=False)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 30, check=False,
+                          preexec_fn=die_with_parent)  # noqa: PLW1509 - only a prctl
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH_JSON ")), None)
     if done.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}"[:500])

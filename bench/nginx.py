@@ -14,7 +14,7 @@ __all__ = ["render_config", "start_nginx"]
 log = logging.getLogger(__name__)
 
 CONFIG = """\
-{user}worker_processes 1;
+{user}master_process off;
 daemon off;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
@@ -44,7 +44,11 @@ http {{
 
 
 def render_config(prefix: Path, port: int, backend: str) -> str:
-    """One worker (like the single router process), keep-alive upstream, unbuffered (for SSE)."""
+    """One process (like the single router process), keep-alive upstream, unbuffered (for SSE).
+
+    ``master_process off`` keeps nginx to the one process we spawned, so the bench's
+    PR_SET_PDEATHSIG reaches it: a killed bench cannot leave an orphaned worker behind.
+    """
     user = "user root;\n" if os.geteuid() == 0 else ""  # workers must read the temp dirs we own
     return CONFIG.format(user=user, prefix=prefix, port=port, backend=backend)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["ROOT", "Procs", "free_port", "http_get", "wait_http", "wait_until"]
+__all__ = ["ROOT", "Procs", "die_with_parent", "free_port", "http_get", "wait_http", "wait_until"]
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the bench dies, however it dies (Linux)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -90,7 +91,7 @@ class Procs:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only a prctl, no locks taken
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only a prctl, no locks taken
             )
         self._running.append((name, proc))
         log.info("spawned %s pid=%d", name, proc.pid)
