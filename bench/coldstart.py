@@ -19,6 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import plots
 from bench.common import Context, Section, Table, median, ratio
 from bench.procs import ROOT, die_with_parent
 from bench.realmodel import DEMO_GGUF, MODEL, PROMPT, _payload, real_model, require_model, stream_chat
@@ -105,5 +106,7 @@ def run(ctx: Context) -> Section:
         f"(GGUF -> IR conversion and cache fill unless an earlier section did them; not counted) took "
         f"{first_load_s:.1f} s."
     )
+    groups = {"request -> first token": {"ovrouter (stopped model)": median(cold), "bare pipeline": median(base)}}
+    section.plots.append(plots.bars(ctx.plot_path("coldstart"), "Cold start (median)", "seconds", groups))
     section.data = {"cold_s": cold, "bare": bare, "first_load_s": first_load_s}
     return section
