@@ -278,18 +278,23 @@ class OpenVINOTextGenerator:
         return self._tokenizer.encode(prompt, add_special_tokens=False).input_ids
 
     def _generation_config(self, sampling: SamplingParams) -> Any:
-        config = ov_genai.GenerationConfig()
-        config.eos_token_id = self._defaults.eos_token_id
-        config.stop_token_ids = self._defaults.stop_token_ids
-        config.max_new_tokens = sampling.max_tokens
-        config.ignore_eos = sampling.ignore_eos
-        _set_sampling(config, sampling, self._defaults)
-        _set_penalties(config, sampling)
-        try:
-            config.validate()
-        except Exception as exc:
-            raise RequestError(f"invalid generation parameters: {one_line(exc)}") from None
-        return config
+        return generation_config(sampling, self._defaults)
+
+
+def generation_config(sampling: SamplingParams, defaults: Any) -> Any:
+    """A request's ``GenerationConfig`` over the model's own defaults (LLM and VLM engines share it)."""
+    config = ov_genai.GenerationConfig()
+    config.eos_token_id = defaults.eos_token_id
+    config.stop_token_ids = defaults.stop_token_ids
+    config.max_new_tokens = sampling.max_tokens
+    config.ignore_eos = sampling.ignore_eos
+    _set_sampling(config, sampling, defaults)
+    _set_penalties(config, sampling)
+    try:
+        config.validate()
+    except Exception as exc:
+        raise RequestError(f"invalid generation parameters: {one_line(exc)}") from None
+    return config
 
 
 def _noop(event: Event) -> None:

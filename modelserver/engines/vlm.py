@@ -21,11 +21,11 @@ import openvino as ov
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
-from modelserver.engines.llm import _set_penalties, _set_sampling
+from modelserver.engines.llm import generation_config
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
-from modelserver.errors import LoadError, RequestError
+from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 
 __all__ = ["OpenVINOVisionGenerator", "VisionStream", "load"]
@@ -143,18 +143,7 @@ class OpenVINOVisionGenerator:
         deliver(("done", int(metrics.get_num_input_tokens()), int(metrics.get_num_generated_tokens())))
 
     def _generation_config(self, sampling: SamplingParams) -> Any:
-        config = ov_genai.GenerationConfig()
-        config.eos_token_id = self._defaults.eos_token_id
-        config.stop_token_ids = self._defaults.stop_token_ids
-        config.max_new_tokens = sampling.max_tokens
-        config.ignore_eos = sampling.ignore_eos
-        _set_sampling(config, sampling, self._defaults)
-        _set_penalties(config, sampling)
-        try:
-            config.validate()
-        except Exception as exc:
-            raise RequestError(f"invalid generation parameters: {one_line(exc)}") from None
-        return config
+        return generation_config(sampling, self._defaults)
 
 
 def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:
