@@ -261,12 +261,7 @@ class Backend(Lifecycle):
             self._cancel(self._retry)
             if not await self._before_start_quietly():
                 return
-        try:
-            await self._launch(reason)
-        except StartInterrupted:
-            pass
-        except BackendUnavailable:
-            await self._recover(reason)
+        await self._launch_quietly(reason)
 
     # -- failures and recovery ---------------------------------------------------------------
 
@@ -324,8 +319,11 @@ class Backend(Lifecycle):
                 await self._recover(reason)
 
     async def _relaunch_quietly(self, reason: str) -> None:
-        if not await self._before_start_quietly():
-            return
+        if await self._before_start_quietly():
+            await self._launch_quietly(reason)
+
+    async def _launch_quietly(self, reason: str) -> None:
+        """A relaunch nobody waits on: a failure goes to recovery (backoff), not to a caller."""
         try:
             await self._launch(reason)
         except StartInterrupted:
