@@ -153,9 +153,10 @@ def _rows(episodes: list[Episode]) -> list[list[object]]:
     rows: list[list[object]] = []
     for e in episodes:
         total = len(e.steady)
+        span_s = (max(t for t, _, _ in e.steady) - min(t for t, _, _ in e.steady)) if total > 1 else 0.0
         rows.append([e.model, e.fault, e.fault_status or "-", e.recovery_s * 1000, e.probes, e.probe_failures,
-                     total, e.steady_failed, e.failure_statuses(), f"{e.old_pid} -> {e.new_pid}",
-                     e.new_pid is not None and e.new_pid != e.old_pid])
+                     total, total / span_s if span_s else None, e.steady_failed, e.failure_statuses(),
+                     f"{e.old_pid} -> {e.new_pid}", e.new_pid is not None and e.new_pid != e.old_pid])
     return rows
 
 
@@ -173,7 +174,8 @@ def run(ctx: Context) -> Section:
         faults.append(("smollm2", "kill -9"))
     episodes = [_run_episode(router, m, f, settle_s) for m, f in faults for _ in range(repeats)]
     section.intro = (
-        f"Steady load: {CLIENTS} clients pacing {STEADY_RPS:.0f} requests/s in all (4-token chats) through the router "
+        f"Steady load: {CLIENTS} clients pacing {STEADY_RPS:.0f} requests/s in all (4-token chats; a client whose "
+        "answer takes longer sends its next request at once, so a slow model gets less) through the router "
         f"for {settle_s:.1f} s before and after the fault. The fault is injected at t0: a `[[fatal]]` chat "
         "(the fake engine answers 500 + `X-Backend-Fatal: 1`) or SIGKILL of the model server's pid from "
         "`/api/models`. Recovery = t0 -> the next successful answer of a probe that retries back to back "
@@ -182,7 +184,7 @@ def run(ctx: Context) -> Section:
         "failure: relaunched at once, no backoff), `health_interval_s: 1`."
     )
     headers = ["model", "fault", "fault answer", "recovery ms", "probes", "probe failures", "steady requests",
-               "steady failed", "failed as", "pid", "new process"]
+               "steady req/s achieved", "steady failed", "failed as", "pid", "new process"]
     section.tables.append(Table(headers, _rows(episodes), "One row per episode."))
     summary = []
     stuck = [e for e in episodes if math.isnan(e.recovery_s)]
