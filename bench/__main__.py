@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the progress log
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background (SIG_IGN)
     signal.signal(signal.SIGTERM, _sigterm_as_sigint)
     tools = deps.detect()
