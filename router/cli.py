@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
+    from router.coalesce import CoalescingHttpToolsProtocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     config = _load(args.config)
@@ -67,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=CoalescingHttpToolsProtocol,  # httptools, head and body in one write
         log_level=args.log_level,
         access_log=False,
         proxy_headers=False,  # the router is the edge; its ProxyHeadersMiddleware costs every request

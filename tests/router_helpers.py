@@ -14,6 +14,7 @@ import uvicorn
 import yaml
 
 from router.app import build_app
+from router.coalesce import CoalescingHttpToolsProtocol
 from router.config import load_config
 from router.service import RouterService
 
@@ -55,7 +56,7 @@ async def running_router(config_path: Path, api_key: str | None = None) -> Async
     service = RouterService(config)
     app = build_app(config, service)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                           loop="none", http="httptools"))
+                                           loop="none", http=CoalescingHttpToolsProtocol))
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # pytest owns the signals
     task = asyncio.create_task(server.serve())
     try:
