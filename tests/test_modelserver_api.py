@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from tasks_helpers import assert_error, sse_events
 
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
@@ -44,21 +45,6 @@ async def embedder() -> AsyncIterator[httpx.AsyncClient]:
 
 def chat(content: str, **params: Any) -> dict[str, Any]:
     return {"model": "fake", "messages": [{"role": "user", "content": content}], **params}
-
-
-def sse_events(text: str) -> list[Any]:
-    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
-def assert_error(response: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) >= {"message", "type", "code"}
-    for needle in needles:
-        assert needle in error["message"], error["message"]
-    return dict(error)
 
 
 async def test_chat_completion_echoes_the_last_user_message(llm: httpx.AsyncClient) -> None:
