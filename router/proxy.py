@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from starlette.types import Message, Receive, Send
 
-from procman import BackendUnavailable, InBackoff, Lease
+from procman import BackendUnavailable, InBackoff, Lease, State
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
 from router.httpclient import UpstreamError, UpstreamResponse, UpstreamTimeout
 from router.registry import Model
@@ -156,7 +156,7 @@ async def _wait_replaced(model: Model, lease: Lease) -> bool:
     deadline = time.monotonic() + DEATH_GRACE_S
     while time.monotonic() < deadline:
         backend = model.backend
-        if backend.generation != lease.generation or backend.pid != lease.pid or backend.state.name != "READY":
+        if backend.generation != lease.generation or backend.pid != lease.pid or backend.state is not State.READY:
             return True
         await asyncio.sleep(0.02)
     return False
@@ -175,14 +175,19 @@ async def _fatal(
         await restart  # the retry must land on the fresh process
         return None
     task = asyncio.create_task(restart)
-    task.add_done_callback(_log_failure)
+    _BACKGROUND.add(task)  # the loop keeps only a weak reference to a task
+    task.add_done_callback(_background_done)
     raise ServiceUnavailable(
         f"model {model.spec.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
         retry_after_s=2.0,
     )
 
 
-def _log_failure(task: asyncio.Task[None]) -> None:
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _background_done(task: asyncio.Task[None]) -> None:
+    _BACKGROUND.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.warning("background restart failed: %s", task.exception())
 
