@@ -53,6 +53,7 @@ class Registry:
         )
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
+        self.max_body_bytes = 1 << 20
         self._room = asyncio.Lock()
         self._reserved: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -64,9 +65,6 @@ class Registry:
     def resolve(self, name: str) -> Model | None:
         return self.models.get(self._aliases.get(name, name))
 
-    @property
-    def max_body_bytes(self) -> int:
-        return max((m.spec.max_request_bytes for m in self.models.values()), default=1 << 20)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -76,11 +74,14 @@ class Registry:
         self.metrics.in_flight.labels(spec.name).set_function(lambda: backend.in_flight)
         self.metrics.queued.labels(spec.name).set_function(lambda: model.limiter.queued)
         self.metrics.loaded.labels(spec.name).set(0)
-        self._index_aliases()
+        self._reindex()
         return model
 
-    def _index_aliases(self) -> None:
+    def _reindex(self) -> None:
+        """Lookups the hot path makes, rebuilt whenever the set of models or their specs change."""
         self._aliases = {alias: m.spec.name for m in self.models.values() for alias in m.spec.aliases}
+        # the body is read before its model is known: the largest limit of any model bounds it
+        self.max_body_bytes = max((m.spec.max_request_bytes for m in self.models.values()), default=1 << 20)
 
     def start_preloads(self, names: Iterable[str] | None = None) -> None:
         for name in self.models if names is None else names:
@@ -121,7 +122,7 @@ class Registry:
             self._change(self.models[name], new.models[name])
         for name in changes.added:
             self._add(new.models[name])
-        self._index_aliases()
+        self._reindex()
         self.start_preloads(changes.added)
         log.info("config applied: added=%s changed=%s removed=%s", changes.added, changes.changed, changes.removed)
         return changes
