@@ -130,15 +130,16 @@ def run(ctx: Context) -> Section:
     router, direct = _start_pair(ctx)
     targets = {"direct": direct + "/v1/chat/completions", "ovrouter": router.url + "/v1/chat/completions"}
     max_tokens = ctx.count(64, 8)
-    rounds = ctx.count(2, 1)
+    rounds = ctx.count(4, 1)  # run-to-run swings here are ~10%: medians of 4 alternating rounds
     conditions = {"1 stream": (1, ctx.count(3, 1)), "8 streams": (8, ctx.count(2, 1))}
     for url in targets.values():
         measure(url, 1, 1, 4)  # warm-up
     tps: dict[tuple[str, str], list[float]] = {}
     ttft: dict[tuple[str, str], list[float]] = {}
-    for _ in range(rounds):
+    for round_no in range(rounds):
+        order = list(targets.items()) if round_no % 2 == 0 else list(reversed(targets.items()))
         for cond, (streams, each) in conditions.items():
-            for name, url in targets.items():
+            for name, url in order:  # who goes first alternates, so neither gets the warmer slot
                 value, stats = measure(url, streams, each, max_tokens)
                 tps.setdefault((cond, name), []).append(value)
                 ttft.setdefault((cond, name), []).extend(s.ttft_s * 1000 for s in stats)
