@@ -6,6 +6,7 @@ One server for the module (greedy decoding, so answers are deterministic).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +200,34 @@ def test_a_request_before_the_server_is_ready_gets_503_loading(demo_gguf: Path) 
             except httpx.TransportError:
                 time.sleep(0.02)
         assert (response.status_code, response.json()["status"]) == (503, "loading")
+
+
+# A real pipeline error on demand: with a batch of at most 16 tokens and no split-fuse, the
+# ContinuousBatchingPipeline's scheduler refuses a longer prompt inside step().
+TINY_BATCH = {"max_num_batched_tokens": 16, "max_num_seqs": 4, "dynamic_split_fuse": False}
+LONG_PROMPT = {"prompt": "word " * 60, "max_tokens": 2}
+SHORT_PROMPT = {"prompt": "Hi", "max_tokens": 2}
+SCHEDULER_REFUSAL = "longer than max number of tokens in batch"
+
+
+def tiny_batch_server(
+    demo_gguf: Path, tmp: Path, **extra: object
+) -> contextlib.AbstractContextManager[ModelServerProcess]:
+    spec = build_model_spec("tiny", {"path": str(demo_gguf), "cache_dir": str(tmp), "scheduler": TINY_BATCH, **extra})
+    return modelserver(spec=spec, ready_timeout_s=180)
+
+
+def test_a_real_engine_error_is_a_500_and_the_server_keeps_serving(demo_gguf: Path, tmp_path: Path) -> None:
+    with tiny_batch_server(demo_gguf, tmp_path) as server, server.client() as http:
+        failed = http.post("/v1/completions", json=LONG_PROMPT)
+        assert failed.status_code == 500 and SCHEDULER_REFUSAL in failed.json()["error"]["message"]
+        assert "x-backend-fatal" not in failed.headers
+        assert http.post("/v1/completions", json=SHORT_PROMPT).status_code == 200
+        assert http.get("/health").status_code == 200
+
+
+def test_a_real_engine_error_matching_fatal_patterns_fails_the_process(demo_gguf: Path, tmp_path: Path) -> None:
+    with tiny_batch_server(demo_gguf, tmp_path, fatal_patterns=[SCHEDULER_REFUSAL]) as server, server.client() as http:
+        failed = http.post("/v1/completions", json=LONG_PROMPT)
+        assert failed.status_code == 500 and failed.headers["x-backend-fatal"] == "1"
+        assert http.get("/health").status_code == 503

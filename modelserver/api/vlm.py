@@ -18,7 +18,7 @@ from starlette.routing import Route
 from modelserver.api import chat
 from modelserver.api.common import note, read_body, spec
 from modelserver.engines.base import ChatTurn
-from modelserver.engines.media_base import VisionRequest, image_tag
+from modelserver.engines.media_base import IMAGE_TAG, VisionRequest, image_tag
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.images import decode_data_url
 from modelserver.protocol import ChatCompletionRequest, ChatMessage, ChatShape, ContentPart
@@ -34,17 +34,27 @@ def _image_url(part: ContentPart, where: str) -> str:
     return url
 
 
+def _text(text: str, where: str) -> str:
+    """User text, which must not smuggle in openvino_genai's own image markers."""
+    if IMAGE_TAG.search(text):
+        raise RequestError(
+            f"{where}: text must not contain image markers like '<ov_genai_image_0>'; send images as image_url parts",
+            param="messages",
+        )
+    return text
+
+
 def _turn(message: ChatMessage, index: int, images: list[Any]) -> ChatTurn:
     if message.role == "tool":
         raise UnsupportedParameter(f"messages[{index}].role: tool messages are not supported", param="messages")
     role = "system" if message.role == "developer" else message.role
     if message.content is None or isinstance(message.content, str):
-        return ChatTurn(role, message.content or "")
+        return ChatTurn(role, _text(message.content or "", f"messages[{index}].content"))
     pieces = []
     for j, part in enumerate(message.content):
         where = f"messages[{index}].content[{j}]"
         if part.type == "text" and part.text is not None:
-            pieces.append(part.text)
+            pieces.append(_text(part.text, where))
         elif part.type == "image_url":
             images.append(decode_data_url(_image_url(part, where), f"{where}.image_url.url"))
             pieces.append(image_tag(len(images) - 1))

@@ -34,6 +34,7 @@ from modelserver.engines.fake import (
     inject_faults,
 )
 from modelserver.engines.media_base import (
+    IMAGE_TAG,
     RerankResult,
     Segment,
     SpeechRequest,
@@ -60,7 +61,6 @@ __all__ = [
 SPEECH_RATE = 16_000
 SECONDS_PER_CHAR = 0.06
 SEGMENT_S = 5.0
-_IMAGE_TAG = re.compile(r"<ov_genai_image_(\d+)>")
 
 
 class _FakeBase:
@@ -140,7 +140,7 @@ class FakeVisionGenerator(FakeTextGenerator):
             height, width = images[int(match.group(1))].shape[:2]
             return f" [image {width}x{height}] "
 
-        text = _IMAGE_TAG.sub(describe, request.last_user_text())
+        text = IMAGE_TAG.sub(describe, request.last_user_text())
         inject_faults(text)
         prompt_words = sum(len(turn.content.split()) for turn in request.messages)
         return FakeStream(

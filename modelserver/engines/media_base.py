@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
@@ -36,6 +37,7 @@ __all__ = [
     "VisionGenerator",
     "VisionRequest",
     "Word",
+    "IMAGE_TAG",
     "image_tag",
 ]
 
@@ -127,6 +129,10 @@ class SpeechSynthesizer(Engine, Protocol):
 
 
 # -- vlm ----------------------------------------------------------------------------------------
+
+
+#: How an image marker looks in a turn's text (what :func:`image_tag` writes).
+IMAGE_TAG = re.compile(r"<ov_genai_image_(\d+)>")
 
 
 def image_tag(index: int) -> str:
