@@ -109,7 +109,9 @@ class _UpstreamEndpoint(_ProxyEndpoint):
         if model is None:
             raise _unknown_model(params.get("model", ""), registry.models)
         body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
-        path = "/" + params.get("path", "")
+        raw = scope.get("raw_path") or scope["path"].encode("latin-1")  # as sent: %-escapes kept
+        parts = raw.split(b"/", 3)  # b"", b"upstream", model, rest
+        path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "")
         if scope["query_string"]:
             path += "?" + scope["query_string"].decode("latin-1")
         # raw pass-through for debugging: never retried, whatever the method

@@ -198,6 +198,15 @@ class UpstreamResponse:
             self._conn.transport.close()
 
 
+def _bodyless(method: str, response: UpstreamResponse) -> UpstreamResponse:
+    """A HEAD answer has no body whatever its Content-Length says; the parser cannot know that,
+    so the exchange ends at the head and the connection is not reused."""
+    if method == "HEAD" and not response.complete:
+        response.keep_alive = False
+        response._finish()
+    return response
+
+
 def _expire(future: asyncio.Future[None], message: str) -> None:
     if not future.done():
         future.set_exception(UpstreamTimeout(message))
@@ -264,12 +273,12 @@ class ConnectionPool:
             if not conn.reusable:
                 continue
             try:
-                return await self._exchange(conn, payload, head_timeout_s)
+                return _bodyless(method, await self._exchange(conn, payload, head_timeout_s))
             except UpstreamError:
                 if conn.got_bytes:  # the backend saw and answered part of it: never resend
                     raise
                 # a keep-alive connection the backend had closed: try a fresh one
-        return await self._exchange(await self._connect(), payload, head_timeout_s)
+        return _bodyless(method, await self._exchange(await self._connect(), payload, head_timeout_s))
 
     async def _exchange(self, conn: _Connection, payload: bytes, head_timeout_s: float | None) -> UpstreamResponse:
         assert conn.transport is not None

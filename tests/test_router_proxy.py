@@ -290,6 +290,12 @@ async def test_upstream_passthrough_and_management_api(tmp_path: Path) -> None:
     async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
         health = await router.client.get("/upstream/echo/health")
         assert health.status_code == 200 and health.json()["status"] == "ready"
+        head = await router.client.head("/upstream/echo/health")
+        assert head.status_code == 200 and head.content == b""
+        # a HEAD answer ends at its head: the exchange must not wait for a body that never comes
+        # (until the backend's keep-alive timeout, 5 s, closes the connection)
+        await wait_for(lambda: router.backend("echo").in_flight == 0, 3, "the HEAD exchange to end")
+        assert (await router.client.get("/upstream/echo/v1/models")).json()["data"][0]["id"] == "echo"
         assert (await router.client.get("/upstream/nope/health")).status_code == 404
         rows = (await router.client.get("/api/models")).json()["models"]
         assert rows[0]["name"] == "echo" and rows[0]["state"] == "ready" and rows[0]["pid"]
