@@ -181,7 +181,7 @@ def test_one_log_line_per_request_and_model_properties_at_start(server: ModelSer
     with server.client() as http:
         http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     deadline = time.monotonic() + 10  # the access line is written after the response went out
-    while "finish=length" not in (log := server.log_text()) and time.monotonic() < deadline:
+    while "completion_tokens=3 finish=length" not in (log := server.log_text()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert "loaded smollm2 (task llm)" in log
     assert "eos_token_id=" in log
