@@ -74,6 +74,13 @@ class ModelServerProcess:
         transport = httpx.AsyncHTTPTransport(uds=str(self.uds)) if self.uds else None
         return httpx.AsyncClient(base_url=self.base_url, transport=transport, timeout=timeout_s)
 
+    def wait_log(self, needle: str, timeout_s: float = 10.0) -> str:
+        """The log once it holds ``needle`` (a request's access line is written after its response)."""
+        deadline = time.monotonic() + timeout_s
+        while needle not in (text := self.log_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return text
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(encoding="utf-8", errors="replace")

@@ -195,7 +195,7 @@ def test_config_file_form_on_a_unix_socket(tmp_path: Path) -> None:
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
         answer = client.post("/v1/chat/completions", json=chat("via socket")).json()
         assert answer["choices"][0]["message"]["content"] == "via socket"
-        assert "POST /v1/chat/completions 200" in server.log_text()
+        assert "POST /v1/chat/completions 200" in server.wait_log("POST /v1/chat/completions 200")
 
 
 def test_unknown_model_in_config_exits_2_naming_the_known_ones(tmp_path: Path) -> None:
