@@ -60,6 +60,8 @@ def test_save_ov_model_converts_once_then_loads_the_ir(demo_gguf: Path, tmp_path
         assert "(gguf (converting to IR))" in first.log_text()
     assert (converted / "openvino_model.xml").is_file()
     assert (converted / "openvino_model.bin").is_file()
+    assert (converted / "openvino_tokenizer.xml").is_file()  # later starts need no tokenizer rebuilt from the .gguf
+    assert (converted / "openvino_detokenizer.xml").is_file()
     assert json.loads((converted / "source.json").read_text())["source"] == str(demo_gguf.resolve())
     assert not (converted / demo_gguf.name).exists()  # the link used for the conversion is gone
     with modelserver(spec=spec, ready_timeout_s=180) as second, second.client() as client:
@@ -67,3 +69,15 @@ def test_save_ov_model_converts_once_then_loads_the_ir(demo_gguf: Path, tmp_path
         body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
         answer = client.post("/v1/chat/completions", json=body).json()
         assert "Paris" in answer["choices"][0]["message"]["content"]
+
+
+def test_a_converted_folder_without_its_tokenizer_is_converted_again(demo_gguf: Path, tmp_path: Path) -> None:
+    raw = {"path": str(demo_gguf), "save_ov_model": True, "state_dir": str(tmp_path), "scheduler": {"max_num_seqs": 4}}
+    spec = build_model_spec("smollm2", raw)
+    converted = tmp_path / "converted" / "smollm2"
+    with modelserver(spec=spec, ready_timeout_s=180):
+        pass
+    (converted / "openvino_detokenizer.xml").unlink()  # as left by a version that saved no tokenizer
+    with modelserver(spec=spec, ready_timeout_s=180) as again:
+        assert "(gguf (converting to IR))" in again.log_text()
+    assert (converted / "openvino_detokenizer.xml").is_file()

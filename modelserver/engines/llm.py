@@ -333,7 +333,7 @@ def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, 
     scheduler = scheduler_config(spec.scheduler)
     if source.tokenizer_path is None:
         return ov_genai.ContinuousBatchingPipeline(str(source.path), scheduler, spec.device, properties)
-    tokenizer = ov_genai.Tokenizer(str(source.tokenizer_path))
+    tokenizer = ov_genai.Tokenizer(str(source.tokenizer_path), **source.extra_properties())
     return ov_genai.ContinuousBatchingPipeline(str(source.path), tokenizer, scheduler, spec.device, **properties)
 
 

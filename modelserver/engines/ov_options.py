@@ -5,8 +5,11 @@
 - :func:`prepare_source`: the path to load, converting a ``.gguf`` to OpenVINO IR once under
   ``state_dir/converted/<name>/`` when ``save_ov_model`` is set (openvino_genai's
   ``enable_save_ov_model`` writes ``openvino_model.xml/.bin`` next to the ``.gguf`` it loads, so the
-  conversion loads a link to the ``.gguf`` placed in that folder). The IR holds no tokenizer, so
-  later starts load the tokenizer from the original ``.gguf``;
+  conversion loads a link to the ``.gguf`` placed in that folder). The converting load builds the
+  tokenizer from that link with the same property, which writes ``openvino_tokenizer.xml`` and
+  ``openvino_detokenizer.xml`` beside the model; later starts load the folder with its own
+  tokenizer (0.2 s instead of 3 s to rebuild it from the ``.gguf``). A folder that lacks any
+  of these files, or whose stamp names another ``.gguf``, is converted again;
 - :func:`one_line`: an OpenVINO exception as one readable line for the ``failed to load`` log.
 """
 
@@ -36,6 +39,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IR_XML = "openvino_model.xml"
+TOKENIZER_XMLS = ("openvino_tokenizer.xml", "openvino_detokenizer.xml")
 STAMP = "source.json"
 
 
@@ -65,22 +69,23 @@ def scheduler_config(fields: dict[str, Any]) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """What to hand the pipeline: ``path``; ``tokenizer_path`` when the tokenizer lives elsewhere."""
+    """What to hand the pipeline: ``path``; ``tokenizer_path`` when the tokenizer is built apart."""
 
     path: Path
     tokenizer_path: Path | None = None
     convert_into: Path | None = None  # set when this load writes a fresh IR there
-    original: Path | None = None
+    original: Path | None = None  # the .gguf a converted IR came from
 
     @property
     def kind(self) -> str:
         if self.convert_into is not None:
             return "gguf (converting to IR)"
-        if self.tokenizer_path is not None:
+        if self.original is not None:
             return "converted IR"
         return "gguf" if self.path.suffix.lower() == ".gguf" else "IR"
 
     def extra_properties(self) -> dict[str, Any]:
+        """For the pipeline and the tokenizer alike: a converting load saves what it builds."""
         return {"enable_save_ov_model": True} if self.convert_into is not None else {}
 
 
@@ -103,9 +108,14 @@ def prepare_source(spec: ModelSpec) -> ModelSource:
     if not (spec.save_ov_model and path.is_file() and path.suffix.lower() == ".gguf"):
         return ModelSource(path)
     folder = converted_dir(spec)
-    if (folder / IR_XML).is_file() and _read_stamp(folder) == _stamp(path):
-        return ModelSource(folder, tokenizer_path=path, original=path)
-    return ModelSource(_link_for_conversion(path, folder), convert_into=folder, original=path)
+    if _complete(folder) and _read_stamp(folder) == _stamp(path):
+        return ModelSource(folder, original=path)
+    link = _link_for_conversion(path, folder)
+    return ModelSource(link, tokenizer_path=link, convert_into=folder, original=path)
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in (IR_XML, *TOKENIZER_XMLS))
 
 
 def _read_stamp(folder: Path) -> dict[str, Any] | None:
@@ -133,8 +143,9 @@ def finish_conversion(source: ModelSource) -> None:
     if source.convert_into is None or source.original is None:
         return
     source.path.unlink(missing_ok=True)
-    if not (source.convert_into / IR_XML).is_file():
-        log.warning("conversion of %s wrote no %s; the next start converts again", source.original, IR_XML)
+    if not _complete(source.convert_into):
+        missing = [name for name in (IR_XML, *TOKENIZER_XMLS) if not (source.convert_into / name).is_file()]
+        log.warning("conversion of %s wrote no %s; the next start converts again", source.original, ", ".join(missing))
         return
     (source.convert_into / STAMP).write_text(json.dumps(_stamp(source.original)), encoding="utf-8")
     log.info("converted %s to OpenVINO IR in %s", source.original, source.convert_into)
