@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class RouterSettings(_Frozen):
     max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
+    cors_origins: tuple[str, ...] = Field((), description='browser origins allowed by CORS ("*" = any); empty = none')
 
     @field_validator("port_range")
     @classmethod
@@ -50,6 +52,14 @@ class RouterSettings(_Frozen):
         low, high = value
         if not 1 <= low <= high <= 65535:
             raise ValueError(f"expected [low, high] with 1 <= low <= high <= 65535, got {list(value)}")
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in value:
+            if origin != "*" and not re.fullmatch(r"https?://[^/?#\s]+", origin):
+                raise ValueError(f'expected "*" or origins like "http://localhost:3000" (no path), got {origin!r}')
         return value
 
     @property
