@@ -8,7 +8,7 @@ CONFIG ?= config.yaml
 DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench bench-deps lint typecheck clean models
+.PHONY: setup serve test test-matrix bench bench-deps lint typecheck clean models
 
 setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
 
@@ -34,6 +34,9 @@ serve: setup  ## start the router on $(CONFIG)
 
 test: setup test-models  ## run the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-matrix: setup test-models  ## the real-model tests under f32/bf16 precision and oneDNN ISA caps (not part of make test)
+	tools/test_matrix.sh $(PYTEST_ARGS)
 
 bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
 	$(PY) -m bench $(BENCH_ARGS)

@@ -1,6 +1,9 @@
 """What a ModelSpec means to OpenVINO, shared by the OpenVINO engines of every task.
 
-- :func:`ov_properties`: ``ov_config`` passed through, plus ``CACHE_DIR`` = ``cache_dir`` (created);
+- :func:`ov_properties`: ``ov_config`` passed through, plus ``CACHE_DIR`` = ``cache_dir`` (created),
+  over the JSON object in ``$OVROUTER_OV_CONFIG`` (properties for every model of this machine, e.g.
+  ``{"INFERENCE_PRECISION_HINT": "f32"}``; a model's own ``ov_config`` wins); the inference precision
+  in effect is logged at load;
 - :func:`scheduler_config`: ``scheduler`` fields set on a ``SchedulerConfig`` (an unknown field fails the load);
 - :func:`prepare_source`: the path to load, converting a ``.gguf`` to OpenVINO IR once under
   ``state_dir/converted/<name>/`` when ``save_ov_model`` is set (openvino_genai's
@@ -43,12 +46,44 @@ TOKENIZER_XMLS = ("openvino_tokenizer.xml", "openvino_detokenizer.xml")
 STAMP = "source.json"
 
 
+OV_CONFIG_ENV = "OVROUTER_OV_CONFIG"
+
+
 def ov_properties(spec: ModelSpec) -> dict[str, Any]:
-    properties = dict(spec.ov_config)
+    properties = {**_machine_properties(), **spec.ov_config}
     if spec.cache_dir and "CACHE_DIR" not in properties and _cache_imports(spec):
         Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
         properties["CACHE_DIR"] = spec.cache_dir
+    _log_precision(spec.device, properties)
     return properties
+
+
+def _machine_properties() -> dict[str, Any]:
+    raw = os.environ.get(OV_CONFIG_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise LoadError(f"${OV_CONFIG_ENV}: not a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise LoadError(f"${OV_CONFIG_ENV}: expected a JSON object of OpenVINO properties, got {raw!r}")
+    return value
+
+
+def _log_precision(device: str, properties: dict[str, Any]) -> None:
+    """Which numerics this load runs with: the CPU plugin defaults to bf16 where the CPU has it."""
+    if "INFERENCE_PRECISION_HINT" in properties:
+        log.info("inference precision on %s: %s (configured)", device, properties["INFERENCE_PRECISION_HINT"])
+        return
+    try:
+        import openvino as ov
+
+        default = ov.Core().get_property(device, "INFERENCE_PRECISION_HINT")
+    except Exception:  # noqa: BLE001 - a device without the property (NPU, AUTO:...) or none here: nothing to say
+        return
+    name = default.get_type_name() if hasattr(default, "get_type_name") else default
+    log.info("inference precision on %s: %s (device default)", device, name)
 
 
 def _cache_imports(spec: ModelSpec) -> bool:
