@@ -9,8 +9,10 @@
 When ``OVROUTER_MODEL_SPEC`` is set it holds the exact ModelSpec the router validated and
 wins over the config file (``--config/--model`` then only name things in logs).
 
-The server answers at once (``/health`` 503 "loading") while a loader thread loads the
-engine. A model that cannot load logs ``failed to load <name>: <reason>`` and the process
+The loader thread starts as soon as the spec is known, before the HTTP server's modules are
+imported (OpenVINO releases the GIL while it builds a pipeline, so those imports cost a cold
+start nothing); the server then answers at once (``/health`` 503 "loading") until the
+engine is loaded. A model that cannot load logs ``failed to load <name>: <reason>`` and the process
 exits with status 1 (2 for a bad command line or config). SIGTERM stops it gracefully
 (in-flight requests get ``GRACEFUL_SHUTDOWN_S``); uvicorn then re-raises the signal, so
 the parent sees the process ended by SIGTERM.
@@ -25,15 +27,17 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from pydantic import ValidationError
 
-from modelserver.app import build_app
+from modelserver import startup
 from modelserver.engines import make_engine
 from modelserver.runtime import ModelRuntime
 from modelserver.spec import SPEC_ENV, ConfigError, ModelSpec, build_model_spec, load_model_spec
+
+if TYPE_CHECKING:
+    import uvicorn
 
 __all__ = ["main", "parse_args", "resolve_spec"]
 
@@ -90,12 +94,34 @@ def configure_logging(level: str) -> None:
     )
 
 
-def _load(runtime: ModelRuntime, server: uvicorn.Server) -> None:
-    if not runtime.load(make_engine):
-        server.should_exit = True  # the main loop notices within 0.1 s; main() then exits non-zero
+class _Loader:
+    """The loader thread; a failed load stops the server, whether it is already running or not yet built."""
+
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self._runtime = runtime
+        self._server: uvicorn.Server | None = None
+        self._failed = False
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="loader", daemon=True)
+
+    def _run(self) -> None:
+        ok = self._runtime.load(make_engine)
+        with self._lock:
+            self._failed = not ok
+            if self._failed and self._server is not None:
+                self._server.should_exit = True  # the main loop notices within 0.1 s; main() then exits non-zero
+
+    def attach(self, server: uvicorn.Server) -> None:
+        with self._lock:
+            self._server = server
+            server.should_exit = self._failed
 
 
 def _server(args: argparse.Namespace, runtime: ModelRuntime) -> uvicorn.Server:
+    import uvicorn  # imported while the loader thread builds the pipeline
+
+    from modelserver.app import build_app
+
     listen: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     config = uvicorn.Config(
         build_app(runtime.spec, runtime=runtime),
@@ -111,6 +137,7 @@ def _server(args: argparse.Namespace, runtime: ModelRuntime) -> uvicorn.Server:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    startup.mark("imports")
     args = parse_args(argv)
     configure_logging(args.log_level)
     try:
@@ -119,13 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("failed to load %s: %s", args.model or args.name or args.path or "model", "; ".join(exc.errors))
         return EXIT_USAGE
     runtime = ModelRuntime(spec)
+    loader = _Loader(runtime)
+    loader.thread.start()
     server = _server(args, runtime)
-    loader = threading.Thread(target=_load, args=(runtime, server), name="loader", daemon=True)
+    loader.attach(server)
     log.info("serving %s (task %s, engine %s) on %s", spec.name, spec.task, spec.engine, args.uds or args.port)
-    loader.start()
     server.run()
     code = EXIT_LOAD_FAILED if runtime.load_failed else 0
-    if loader.is_alive():  # stopped while loading: OpenVINO is mid-compile, skip interpreter teardown
+    if loader.thread.is_alive():  # stopped while loading: OpenVINO is mid-compile, skip interpreter teardown
         log.info("stopped %s while it was loading", spec.name)
         logging.shutdown()
         os._exit(code)

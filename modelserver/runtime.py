@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from modelserver import startup
 from modelserver.errors import LoadError, NotReady
 from modelserver.spec import ModelSpec
 
@@ -32,6 +33,7 @@ class ModelRuntime:
         self.status: Status = "loading"
         self.reason: str | None = None
         self.load_failed = False
+        self.load_s: float | None = None  # the engine's own load time (pipeline construction), once loaded
         self.started_at = int(time.time())
         self._engine: Any = None
         self._lock = threading.Lock()
@@ -51,6 +53,7 @@ class ModelRuntime:
     def require(self) -> Any:
         """The engine, or :class:`NotReady` while loading and once failed."""
         if self.status == "ready":
+            startup.mark("first_request")
             return self._engine
         if self.status == "loading":
             raise NotReady(f"model {self.spec.name!r} is still loading; retry shortly", code="model_loading")
@@ -58,6 +61,7 @@ class ModelRuntime:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         body: dict[str, Any] = {"status": self.status, "model": self.spec.name, "task": self.spec.task}
+        body["startup"] = {**startup.marks(), "engine_load_s": self.load_s}
         if self.status == "ready":
             return 200, {**body, **self._engine.stats()}
         if self.status == "failed":
@@ -67,6 +71,7 @@ class ModelRuntime:
     def load(self, factory: Callable[[ModelSpec], Any]) -> bool:
         """Load the engine with ``factory`` (blocking); logs the outcome and returns whether it worked."""
         started = time.monotonic()
+        startup.mark("load_start")
         try:
             engine = factory(self.spec)
         except LoadError as exc:
@@ -74,7 +79,10 @@ class ModelRuntime:
         except Exception as exc:  # an engine bug or an unexpected OpenVINO error: still one clear line
             log.debug("load of %s raised", self.spec.name, exc_info=True)
             return self._load_failed(f"{type(exc).__name__}: {exc}")
-        properties = " ".join(f"{key}={value}" for key, value in engine.describe().items())
+        startup.mark("loaded")
+        described = engine.describe()
+        self.load_s = described.get("load_s")
+        properties = " ".join(f"{key}={value}" for key, value in described.items())
         log.info(
             "loaded %s (task %s) in %.2fs: %s", self.spec.name, self.spec.task, time.monotonic() - started, properties
         )
