@@ -128,6 +128,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
         "error": {
             "message": f"internal error: {type(exc).__name__}: {exc}",
             "type": "server_error",
+            "param": None,
             "code": "internal_error",
         }
     }

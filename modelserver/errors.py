@@ -15,7 +15,7 @@
 Engines raise plain exceptions (``RuntimeError`` from OpenVINO, or the fake engine's
 injected faults); :func:`classify` maps them onto :class:`EngineError` or
 :class:`FatalEngineError` by the model's ``fatal_patterns``, and :func:`error_response`
-renders any :class:`ModelServerError` as ``{"error": {"message", "type", "code"}}``.
+renders any :class:`ModelServerError` as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -121,10 +121,8 @@ def classify(exc: BaseException, fatal_patterns: Sequence[str]) -> ModelServerEr
 
 
 def error_body(exc: ModelServerError) -> dict[str, Any]:
-    error: dict[str, Any] = {"message": exc.message, "type": exc.type, "code": exc.code}
-    if exc.param is not None:
-        error["param"] = exc.param
-    return {"error": error}
+    """OpenAI's error object: ``param`` is always there (null when no single parameter is at fault)."""
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
 
 def error_response(exc: ModelServerError) -> JSONResponse:

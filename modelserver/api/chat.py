@@ -6,11 +6,23 @@ applies the stop strings, and a shape (:class:`~modelserver.protocol.ChatShape` 
 waits for the engine's first event before it sends its headers, so an error at the start
 (a bad prompt, a fatal engine error) still answers with a proper status and headers; an
 error later in a stream is sent as a final ``data: {"error": ...}`` event.
+
+With ``tools`` the text goes through the model's tool parser (:mod:`modelserver.tools`):
+calls become ``message.tool_calls`` / ``delta.tool_calls`` and ``finish_reason``
+``tool_calls``. A forced ``tool_choice`` and ``response_format`` / ``guided_*`` become a
+constraint (:mod:`modelserver.structured`) the engine decodes under. ``n`` > 1 runs ``n``
+generations side by side (each its own seed) and numbers their choices.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import random
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,6 +33,7 @@ from modelserver.api.common import (
     SSEResponse,
     engine_as,
     engine_errors,
+    fingerprint,
     note,
     read_body,
     runtime,
@@ -29,25 +42,52 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams, TextGenerator, TextStream
-from modelserver.errors import ModelServerError, UnsupportedParameter, error_body
-from modelserver.protocol import ChatCompletionRequest, ChatMessage, ChatShape, CompletionRequest, TextShape, usage
+from modelserver.errors import ModelServerError, RequestError, UnsupportedParameter, error_body
+from modelserver.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatShape,
+    Choice,
+    CompletionRequest,
+    TextShape,
+    ToolCallIn,
+    usage,
+)
+from modelserver.structured import Constraint, Grammar, choice_grammar, json_grammar, tool_call_grammar
 from modelserver.textstream import StopMatcher
+from modelserver.tools import ToolStreamSplitter, parse_tool_calls
 
-__all__ = ["Run", "chat_turns", "routes"]
+__all__ = ["Run", "chat_plan", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
 
 Shape = ChatShape | TextShape
 Body = ChatCompletionRequest | CompletionRequest
 
 
 def chat_turns(messages: list[ChatMessage]) -> tuple[ChatTurn, ...]:
-    """Messages as plain text turns; 400 for what a text model cannot take (images, tool results)."""
+    """Messages as text turns (tool calls and results kept); 400 for what a text model cannot take."""
     turns = []
     for i, message in enumerate(messages):
-        if message.role == "tool":
-            raise UnsupportedParameter(f"messages[{i}].role: tool messages are not supported", param="messages")
         role = "system" if message.role == "developer" else message.role
-        turns.append(ChatTurn(role, _text_of(message, i)))
+        calls = tuple(template_call(call, i, j) for j, call in enumerate(message.tool_calls or ()))
+        name = message.name if role == "tool" else None
+        turns.append(ChatTurn(role, _text_of(message, i), calls, message.tool_call_id, name))
     return tuple(turns)
+
+
+def template_call(call: ToolCallIn, index: int, j: int) -> dict[str, Any]:
+    """A history call as chat templates expect it: ``arguments`` a mapping, not a JSON string."""
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise RequestError(
+                f"messages[{index}].tool_calls[{j}].function.arguments: not valid JSON; send the arguments "
+                "object as a JSON string",
+                param="messages",
+            ) from None
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id or f"call_{index}_{j}", "type": "function", "function": function}
 
 
 def _text_of(message: ChatMessage, index: int) -> str:
@@ -78,6 +118,50 @@ def sampling(body: Body, default_max_tokens: int) -> SamplingParams:
         min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos,
     )
+
+
+def _output_constraint(body: ChatCompletionRequest) -> Constraint | None:
+    """``response_format`` or one of the vLLM-style ``guided_*`` fields (validated: at most one)."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return json_grammar({"type": "object"})
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        return json_grammar(fmt.json_schema.schema_ or {})
+    if body.guided_json is not None:
+        schema = body.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                raise RequestError("guided_json: not a valid JSON schema", param="guided_json") from None
+        return json_grammar(schema)
+    if body.guided_regex is not None:
+        return Grammar("regex", body.guided_regex)
+    if body.guided_choice is not None:
+        return choice_grammar(body.guided_choice)
+    if body.guided_grammar is not None:
+        return Grammar("ebnf", body.guided_grammar)
+    return None
+
+
+def chat_plan(body: ChatCompletionRequest, parser: str) -> tuple[tuple[dict[str, Any], ...], Constraint | None, bool]:
+    """The tools to offer, the constraint to decode under, and whether to parse tool calls out of the text."""
+    mode = body.tool_mode()
+    if mode == "none":
+        return (), _output_constraint(body), False
+    if parser == "none":
+        raise UnsupportedParameter(
+            "tools: this model is configured with tool_parser: none and takes no tools; send no `tools` "
+            "(or set the model's tool_parser)",
+            param="tools",
+        )
+    tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ())
+    functions = [tool["function"] for tool in tools]
+    if mode == "required":
+        return tools, tool_call_grammar(parser, functions, body.parallel_tool_calls), True
+    if mode != "auto":
+        return tools, tool_call_grammar(parser, [f for f in functions if f["name"] == mode], False), True
+    return tools, _output_constraint(body), True
 
 
 class Run:
@@ -120,73 +204,161 @@ class Run:
             yield tail
         self.finish = self.stream.finish_reason or "stop"
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.stream.prompt_tokens, self.stream.completion_tokens)
 
-    async def close(self, request: Request) -> None:
-        await self.stream.aclose()
-        note(request, prompt_tokens=self.stream.prompt_tokens, completion_tokens=self.stream.completion_tokens)
-        note(request, finish=self.finish or "cancelled")
-
-
-async def _respond(request: Request, body: Body, generation: GenerationRequest, shape: Shape) -> Response:
-    generator = engine_as(request, TextGenerator)
+async def _start(request: Request, generator: TextGenerator, generations: list[GenerationRequest],
+                 stops: list[str]) -> list[Run]:
     rt = runtime(request)
-    with engine_errors(rt):
-        run = Run(generator.generate(generation), body.stop_strings())
-    note(request, stream=body.stream)
+    runs: list[Run] = []
     try:
+        for generation in generations:
+            with engine_errors(rt):
+                runs.append(Run(generator.generate(generation), stops))
         with engine_errors(rt):
-            await until_disconnect(request, run.start())
-        if body.stream:
-            return SSEResponse(_events(run, shape, body.include_usage(), request), lambda: run.close(request))
-        with engine_errors(rt):
-            text = await until_disconnect(request, _collect(run))
-    except ClientGone:
-        await run.close(request)
-        return Response(status_code=499)
+            await until_disconnect(request, asyncio.gather(*(run.start() for run in runs)))
     except BaseException:
-        await run.close(request)
+        await _close(request, runs)
         raise
-    await run.close(request)
-    return JSONResponse(shape.body(text, run.finish or "stop", run.usage()))
+    return runs
 
 
-async def _collect(run: Run) -> str:
-    return "".join([text async for text in run.deltas()])
+async def _close(request: Request, runs: list[Run]) -> None:
+    for run in runs:
+        await run.stream.aclose()
+    note(request, prompt_tokens=runs[0].stream.prompt_tokens if runs else 0,
+         completion_tokens=sum(run.stream.completion_tokens for run in runs))
+    note(request, finish=",".join(run.finish or "cancelled" for run in runs) or "cancelled")
 
 
-async def _events(run: Run, shape: Shape, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
-    if (opening := shape.opening()) is not None:
-        yield sse(opening)
+def _usage(runs: list[Run]) -> dict[str, int]:
+    return usage(runs[0].stream.prompt_tokens, sum(run.stream.completion_tokens for run in runs))
+
+
+def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """``n`` generations of one request; with n > 1 each samples with its own seed."""
+    if n == 1:
+        return [generation]
+    base = generation.sampling.seed if generation.sampling.seed is not None else random.randrange(2**31)
+    return [replace(generation, sampling=replace(generation.sampling, seed=base + i)) for i in range(n)]
+
+
+async def _respond(request: Request, body: Body, generation: GenerationRequest, shape: Shape,
+                   parser: str | None = None) -> Response:
+    generator = engine_as(request, TextGenerator)
+    note(request, stream=body.stream)
+    runs = await _start(request, generator, _copies(generation, body.n), body.stop_strings())
+    if body.stream:
+        return SSEResponse(_events(runs, shape, parser, request), lambda: _close(request, runs))
     try:
         with engine_errors(runtime(request)):
-            async for text in run.deltas():
-                yield sse(shape.delta(text))
+            choices = await until_disconnect(
+                request, asyncio.gather(*(_collect(run, i, parser) for i, run in enumerate(runs)))
+            )
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        await _close(request, runs)
+    return JSONResponse(shape.body(list(choices), _usage(runs)))
+
+
+async def _collect(run: Run, index: int, parser: str | None) -> Choice:
+    text = "".join([delta async for delta in run.deltas()])
+    finish = run.finish or "stop"
+    if parser is None:
+        return Choice(index, text, finish)
+    parsed = parse_tool_calls(parser, text)
+    calls = [call.as_openai() for call in parsed.calls]
+    return Choice(index, parsed.content, "tool_calls" if calls else finish, calls)
+
+
+async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None) -> AsyncIterator[bytes]:
+    if (opening := shape.opening(index)) is not None:
+        yield sse(opening)
+    splitter = ToolStreamSplitter(parser) if parser is not None else None
+    async for text in run.deltas():
+        if splitter is not None:
+            text = splitter.push(text)
+        if text:
+            yield sse(shape.delta(text, index))
+    finish = run.finish or "stop"
+    if splitter is not None:
+        rest, calls = splitter.finish()
+        if rest:
+            yield sse(shape.delta(rest, index))
+        if calls:
+            yield sse(shape.tool_calls([{"index": k, **call.as_openai()} for k, call in enumerate(calls)], index))
+            finish = "tool_calls"
+    yield sse(shape.closing(finish, index))
+
+
+async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The events of several choices as they come (``n`` > 1)."""
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(event)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            await queue.put(exc)
+        else:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        for _ in range(len(streams)):
+            while (event := await queue.get()) is not None:
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _events(runs: list[Run], shape: Shape, parser: str | None, request: Request) -> AsyncIterator[bytes]:
+    streams = [_choice_events(run, i, shape, parser) for i, run in enumerate(runs)]
+    try:
+        with engine_errors(runtime(request)):
+            async for event in streams[0] if len(streams) == 1 else _merged(streams):
+                yield event
     except ModelServerError as exc:
         note(request, error=exc.code)
         yield sse(error_body(exc))
     else:
-        yield sse(shape.closing(run.finish or "stop"))
-        if include_usage:
-            yield sse(shape.usage_chunk(run.usage()))
+        if shape.include_usage:
+            yield sse(shape.usage_chunk(_usage(runs)))
     yield b"data: [DONE]\n\n"
+
+
+def shape_for(request: Request, kind: type[Shape], body: Body) -> Shape:
+    return kind(spec(request).name, fingerprint(spec(request)), body.stream and body.include_usage())
 
 
 async def chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
-    body.refuse_unsupported()
+    body.refuse_unsupported(spec(request).max_n)
+    generator = engine_as(request, TextGenerator)
+    if body.logprobs and not getattr(generator, "logprobs", False):
+        raise UnsupportedParameter("logprobs: this engine does not report logprobs", param="logprobs")
+    tools, constraint, parse = chat_plan(body, generator.tool_parser)
     generation = GenerationRequest(
-        sampling=sampling(body, spec(request).default_max_tokens), messages=chat_turns(body.messages)
+        sampling=sampling(body, spec(request).default_max_tokens), messages=chat_turns(body.messages),
+        tools=tools, constraint=constraint,
     )
-    return await _respond(request, body, generation, ChatShape(spec(request).name))
+    if tools or constraint is not None:
+        note(request, tools=len(tools), constrained=constraint is not None)
+    parser = generator.tool_parser if parse else None
+    return await _respond(request, body, generation, shape_for(request, ChatShape, body), parser)
 
 
 async def completions(request: Request) -> Response:
     body = await read_body(request, CompletionRequest)
-    body.refuse_unsupported()
+    body.refuse_unsupported(spec(request).max_n)
     generation = GenerationRequest(sampling=sampling(body, spec(request).default_max_tokens), prompt=body.prompt_text())
-    return await _respond(request, body, generation, TextShape(spec(request).name))
+    return await _respond(request, body, generation, shape_for(request, TextShape, body))
 
 
 routes = [

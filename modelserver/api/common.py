@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar, cast
@@ -31,6 +32,7 @@ __all__ = [
     "SSEResponse",
     "engine_as",
     "engine_errors",
+    "fingerprint",
     "note",
     "read_body",
     "runtime",
@@ -61,6 +63,17 @@ def spec(request: Request) -> ModelSpec:
 def engine_as(request: Request, kind: Callable[..., T]) -> T:
     """The loaded engine (503 while loading or failed), typed as the protocol ``kind`` the handler needs."""
     return cast(T, runtime(request).require())
+
+
+_FINGERPRINTS: dict[int, str] = {}
+
+
+def fingerprint(model: ModelSpec) -> str:
+    """``system_fingerprint``: changes whenever the model's configuration does."""
+    if (known := _FINGERPRINTS.get(id(model))) is None:
+        known = "fp_" + hashlib.sha256(model.model_dump_json().encode()).hexdigest()[:12]
+        _FINGERPRINTS[id(model)] = known
+    return known
 
 
 async def read_body(request: Request, model: type[Model]) -> Model:

@@ -16,8 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from modelserver.api import chat
-from modelserver.api.common import note, read_body, spec
-from modelserver.engines.base import ChatTurn
+from modelserver.api.common import engine_as, note, read_body, spec
+from modelserver.engines.base import ChatTurn, TextGenerator
 from modelserver.engines.media_base import IMAGE_TAG, VisionRequest, image_tag
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.images import decode_data_url
@@ -45,11 +45,11 @@ def _text(text: str, where: str) -> str:
 
 
 def _turn(message: ChatMessage, index: int, images: list[Any]) -> ChatTurn:
-    if message.role == "tool":
-        raise UnsupportedParameter(f"messages[{index}].role: tool messages are not supported", param="messages")
     role = "system" if message.role == "developer" else message.role
+    calls = tuple(chat.template_call(call, index, j) for j, call in enumerate(message.tool_calls or ()))
+    extra = (calls, message.tool_call_id, message.name if role == "tool" else None)
     if message.content is None or isinstance(message.content, str):
-        return ChatTurn(role, _text(message.content or "", f"messages[{index}].content"))
+        return ChatTurn(role, _text(message.content or "", f"messages[{index}].content"), *extra)
     pieces = []
     for j, part in enumerate(message.content):
         where = f"messages[{index}].content[{j}]"
@@ -63,7 +63,7 @@ def _turn(message: ChatMessage, index: int, images: list[Any]) -> ChatTurn:
                 f"{where}: content part of type {part.type!r} is not supported; send 'text' and 'image_url' parts",
                 param="messages",
             )
-    return ChatTurn(role, "\n".join(pieces))
+    return ChatTurn(role, "\n".join(pieces), *extra)
 
 
 def vision_turns(messages: list[ChatMessage]) -> tuple[tuple[ChatTurn, ...], tuple[Any, ...]]:
@@ -75,11 +75,17 @@ def vision_turns(messages: list[ChatMessage]) -> tuple[tuple[ChatTurn, ...], tup
 
 async def vlm_chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
-    body.refuse_unsupported()
+    body.refuse_unsupported(spec(request).max_n)
+    if body.logprobs:
+        raise UnsupportedParameter("logprobs: the vlm engine does not report logprobs", param="logprobs")
+    tools, constraint, parse = chat.chat_plan(body, engine_as(request, TextGenerator).tool_parser)
     turns, images = await asyncio.to_thread(vision_turns, body.messages)
     note(request, images=len(images))
-    generation = VisionRequest(chat.sampling(body, spec(request).default_max_tokens), turns, images)
-    return await chat._respond(request, body, generation, ChatShape(spec(request).name))  # type: ignore[arg-type]
+    sampling = chat.sampling(body, spec(request).default_max_tokens)
+    generation = VisionRequest(sampling, turns, images, tools, constraint)
+    parser = engine_as(request, TextGenerator).tool_parser if parse else None
+    shape = chat.shape_for(request, ChatShape, body)
+    return await chat._respond(request, body, generation, shape, parser)  # type: ignore[arg-type]
 
 
 routes = [

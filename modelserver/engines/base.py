@@ -32,10 +32,27 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
-    """One chat message reduced to text: ``role`` is system, user or assistant."""
+    """One chat message reduced to text: ``role`` is system, user, assistant or tool.
+
+    An assistant turn may carry ``tool_calls`` (OpenAI's shape, ``arguments`` parsed into a
+    mapping as chat templates expect it); a tool turn names the call it answers.
+    """
 
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +73,19 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A chat (``messages``) or a raw completion (``prompt``): exactly one of the two is set."""
+    """A chat (``messages``) or a raw completion (``prompt``): exactly one of the two is set.
+
+    ``tools`` are the OpenAI tool objects the prompt offers (empty: none); ``constraint``
+    (a :data:`modelserver.structured.Constraint`) is what the output must match;
+    ``logprobs`` asks for each generated token's log probability.
+    """
 
     sampling: SamplingParams
     messages: tuple[ChatTurn, ...] | None = None
     prompt: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    constraint: Any = None
+    logprobs: bool = False
 
     def last_user_text(self) -> str:
         """The text that the fake engine echoes and scans for fault markers."""
@@ -98,7 +123,12 @@ class Engine(Protocol):
 
 @runtime_checkable
 class TextGenerator(Engine, Protocol):
-    """Tasks ``llm`` (and ``vlm``): chat and completions, always streamed internally."""
+    """Tasks ``llm`` (and ``vlm``): chat and completions, always streamed internally.
+
+    ``tool_parser`` names the form of this model's tool calls (:mod:`modelserver.tools`).
+    """
+
+    tool_parser: str
 
     def generate(self, request: GenerationRequest) -> TextStream:
         """Start a generation; errors may surface here or from the stream's first step."""

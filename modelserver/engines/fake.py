@@ -9,6 +9,20 @@ faults, checked when a request starts:
 - ``[[fatal]]``  an engine error containing ``CL_OUT_OF_RESOURCES`` (fatal by the default patterns);
 - ``[[error]]``  an ordinary engine error: a 500, and the server keeps serving.
 
+Tools and structured output (what router and client tests build on):
+
+- a forced ``tool_choice`` (``required`` or a named function) answers one call of the
+  named (or first) function; so does ``tool_choice: auto`` when the last message is a user
+  message containing ``[[tool]]``. The arguments are built from the function's JSON
+  schema (:func:`modelserver.structured.example_of`: each listed property, the first enum
+  value, the minimum, ``"fake"`` for strings); the text is the model's ``tool_parser``
+  form (Hermes by default), which the server parses like a real model's;
+- when the last message is a tool result (and no call is forced) the answer echoes it:
+  ``tool result: <content>``;
+- ``response_format`` ``json_schema`` / ``guided_json`` answer an example of the schema,
+  ``json_object`` answers ``{"text": "<last user message>"}``, ``guided_choice`` the first
+  choice; ``guided_regex`` / ``guided_grammar`` are not honoured (the echo as usual).
+
 Fake embeddings are a deterministic function of the text: a normalized sum of one
 pseudo-random vector per lower-cased word, so texts sharing words are close.
 """
@@ -17,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -28,6 +44,7 @@ import numpy as np
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
+from modelserver.structured import Grammar, TagSpec, ToolGrammar, example_of, tool_call_grammar
 
 __all__ = ["CRASH_EXIT_CODE", "FakeEmbedder", "FakeTextGenerator", "load_embedder", "load_text_generator"]
 
@@ -70,9 +87,10 @@ class _Counters:
 
 
 class FakeStream:
-    """Echo of ``words``, one per delta; the same contract as the real engine's stream."""
+    """``words`` (pieces of text, each a delta and a token), joined by spaces unless ``joined``."""
 
-    def __init__(self, words: list[str], prompt_tokens: int, max_tokens: int, delay_s: float, counters: _Counters):
+    def __init__(self, words: list[str], prompt_tokens: int, max_tokens: int, delay_s: float, counters: _Counters,
+                 joined: bool = False):
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -81,6 +99,7 @@ class FakeStream:
         self._delay_s = delay_s
         self._counters = counters
         self._closed = False
+        self._joined = joined
         counters.running += 1
         self._gen = self._deltas()
 
@@ -92,7 +111,7 @@ class FakeStream:
             for index, word in enumerate(self._words[: self._max_tokens]):
                 await asyncio.sleep(self._delay_s)
                 self.completion_tokens += 1
-                yield word if index == 0 else " " + word
+                yield word if index == 0 or self._joined else " " + word
             self.finish_reason = "length" if len(self._words) > self._max_tokens else "stop"
         finally:
             self._settle()
@@ -113,10 +132,40 @@ class FakeStream:
         self._settle()
 
 
+def _pieces(text: str) -> list[str]:
+    """``text`` in word-sized pieces whose concatenation is exactly ``text``."""
+    return re.findall(r"\s*\S+|\s+", text)
+
+
+def _call_text(tag: TagSpec) -> str:
+    arguments = example_of(tag.arguments.schema)
+    return tag.begin + json.dumps(arguments if isinstance(arguments, dict) else {}) + tag.end
+
+
+def structured_answer(request: GenerationRequest, parser: str) -> str | None:
+    """The fake's answer to tools and output constraints; None: echo as usual."""
+    constraint = request.constraint
+    if isinstance(constraint, ToolGrammar):
+        return _call_text(constraint.tags[0])
+    turns = request.messages or ()
+    if request.tools and turns and turns[-1].role == "user" and "[[tool]]" in turns[-1].content:
+        return _call_text(tool_call_grammar(parser, [request.tools[0]["function"]], False).tags[0])
+    if turns and turns[-1].role == "tool":
+        return f"tool result: {turns[-1].content}"
+    if isinstance(constraint, Grammar) and constraint.choices:
+        return constraint.choices[0]
+    if isinstance(constraint, Grammar) and isinstance(constraint.schema, dict):
+        if constraint.schema.get("type") == "object" and not constraint.schema.get("properties"):
+            return json.dumps({"text": request.last_user_text()})
+        return json.dumps(example_of(constraint.schema))
+    return None
+
+
 class FakeTextGenerator:
     def __init__(self, spec: ModelSpec) -> None:
         self._spec = spec
         self._counters = _Counters()
+        self.tool_parser = spec.tool_parser or "hermes"
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "fake", "task": self._spec.task, "token_delay_s": self._spec.fake.token_delay_s}
@@ -131,8 +180,11 @@ class FakeTextGenerator:
         text = request.last_user_text()
         inject_faults(text)
         prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+        answer = structured_answer(request, self.tool_parser)
+        words = text.split() if answer is None else _pieces(answer)
         return FakeStream(
-            text.split(), prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters
+            words, prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters,
+            joined=answer is not None,
         )
 
 

@@ -36,7 +36,9 @@ from modelserver.engines.ov_options import (
 )
 from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.spec import ModelSpec
+from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer
+from modelserver.tools import detect_parser, plain_history, template_takes_tools
 
 __all__ = ["OpenVINOTextGenerator", "Pump", "load"]
 
@@ -230,6 +232,8 @@ class OpenVINOTextGenerator:
         self._properties = properties
         self._pipe = pipe
         self._tokenizer = pipe.get_tokenizer()
+        self._template_tools = template_takes_tools(self._tokenizer.chat_template)
+        self.tool_parser = spec.tool_parser or detect_parser(self._tokenizer.chat_template)
         self._defaults = pipe.get_config()
         self._source = source
         self._load_s = load_s
@@ -245,6 +249,8 @@ class OpenVINOTextGenerator:
             "load_s": round(self._load_s, 2),
             "eos_token_id": self._defaults.eos_token_id,
             "chat_template": bool(self._tokenizer.chat_template),
+            "tool_parser": self.tool_parser,
+            "template_takes_tools": self._template_tools,
             "scheduler": dict(self._spec.scheduler),
             "ov_config": self._properties,
         }
@@ -256,7 +262,7 @@ class OpenVINOTextGenerator:
         self._pump.stop()
 
     def generate(self, request: GenerationRequest) -> LLMStream:
-        ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request.sampling), _noop)
+        ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request), _noop)
         if int(ticket.input_ids.shape[1]) == 0:
             raise RequestError("the prompt is empty after tokenization", param="messages")
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -270,18 +276,30 @@ class OpenVINOTextGenerator:
     def _tokenize(self, request: GenerationRequest) -> Any:
         if request.messages is None:
             return self._tokenizer.encode(request.prompt or "", add_special_tokens=True).input_ids
-        history = [{"role": turn.role, "content": turn.content} for turn in request.messages]
+        history, tools = chat_history(request, self._template_tools)
         try:
-            prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True)
+            prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
         except Exception as exc:
             raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
         return self._tokenizer.encode(prompt, add_special_tokens=False).input_ids
 
-    def _generation_config(self, sampling: SamplingParams) -> Any:
-        return generation_config(sampling, self._defaults)
+    def _generation_config(self, request: GenerationRequest) -> Any:
+        return generation_config(request.sampling, self._defaults, request.constraint)
 
 
-def generation_config(sampling: SamplingParams, defaults: Any) -> Any:
+def chat_history(request: Any, template_tools: bool) -> tuple[list[dict[str, Any]], Any]:
+    """The messages (and tools) to render: a template without tool support gets them written out as text."""
+    history = [turn.as_template_message() for turn in request.messages or ()]
+    tools = list(getattr(request, "tools", ()))
+    if template_tools:
+        return history, tools or None
+    has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in history)
+    if tools or has_tool_turns:
+        return plain_history(history, tools), None
+    return history, None
+
+
+def generation_config(sampling: SamplingParams, defaults: Any, constraint: Any = None) -> Any:
     """A request's ``GenerationConfig`` over the model's own defaults (LLM and VLM engines share it)."""
     config = ov_genai.GenerationConfig()
     config.eos_token_id = defaults.eos_token_id
@@ -290,6 +308,8 @@ def generation_config(sampling: SamplingParams, defaults: Any) -> Any:
     config.ignore_eos = sampling.ignore_eos
     _set_sampling(config, sampling, defaults)
     _set_penalties(config, sampling)
+    if constraint is not None:
+        config.structured_output_config = ov_structured_output(constraint)
     try:
         config.validate()
     except Exception as exc:

@@ -147,6 +147,8 @@ class VisionRequest:
     sampling: SamplingParams
     messages: tuple[ChatTurn, ...]
     images: tuple[np.ndarray, ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()  # as GenerationRequest's (tool calling)
+    constraint: Any = None
 
     def last_user_text(self) -> str:
         users = [turn.content for turn in self.messages if turn.role == "user"]

@@ -20,13 +20,14 @@ from typing import Any
 import openvino as ov
 import openvino_genai as ov_genai
 
-from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
-from modelserver.engines.llm import generation_config
+from modelserver.engines.base import FinishReason, GenerationRequest
+from modelserver.engines.llm import chat_history, generation_config
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
+from modelserver.tools import detect_parser, template_takes_tools
 
 __all__ = ["OpenVINOVisionGenerator", "VisionStream", "load"]
 
@@ -78,6 +79,9 @@ class OpenVINOVisionGenerator:
         self._spec = spec
         self._pipe = pipe
         self._defaults = pipe.get_generation_config()
+        template = pipe.get_tokenizer().chat_template
+        self._template_tools = template_takes_tools(template)
+        self.tool_parser = spec.tool_parser or detect_parser(template)
         self._load_s = load_s
         self._worker = SerialWorker(f"vlm-{spec.name}")
         self.running = 0
@@ -100,12 +104,13 @@ class OpenVINOVisionGenerator:
 
     def generate(self, request: VisionRequest | GenerationRequest) -> VisionStream:
         """A chat (with images) or, for ``/v1/completions``, a raw prompt without the chat template."""
-        config = self._generation_config(request.sampling)
+        config = generation_config(request.sampling, self._defaults, getattr(request, "constraint", None))
         prompt: Any = request.prompt if isinstance(request, GenerationRequest) else None
         if prompt is None:
-            prompt = ov_genai.ChatHistory()
-            for turn in request.messages or ():
-                prompt.append({"role": turn.role, "content": turn.content})
+            history, tools = chat_history(request, self._template_tools)
+            prompt = ov_genai.ChatHistory(history)
+            if tools:
+                prompt.set_tools(tools)
         else:
             config.apply_chat_template = False
         images = [ov.Tensor(image[None]) for image in getattr(request, "images", ())]
@@ -141,9 +146,6 @@ class OpenVINOVisionGenerator:
         else:
             self.completed += 1
         deliver(("done", int(metrics.get_num_input_tokens()), int(metrics.get_num_generated_tokens())))
-
-    def _generation_config(self, sampling: SamplingParams) -> Any:
-        return generation_config(sampling, self._defaults)
 
 
 def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) -> Callable[[Event], None]:

@@ -1,0 +1,111 @@
+"""The pure parts of tool calling and structured output: parsers, stream splitting, template detection, grammars."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from modelserver.structured import example_of, json_grammar, schema_grammar, tool_call_grammar
+from modelserver.tools import ToolStreamSplitter, detect_parser, parse_tool_calls, template_takes_tools
+
+
+def calls_of(parser: str, text: str) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in parse_tool_calls(parser, text).calls]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "expected"),
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [("f", {"a": 1})]),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", '
+         '"arguments": "{\\"b\\": 2}"}</tool_call>', [("f", {}), ("g", {"b": 2})]),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', [("f", {"a": 1})]),  # no closing tag at EOS
+        ("llama3_json", '{"name": "f", "parameters": {"x": "y"}}', [("f", {"x": "y"})]),
+        ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}',
+         [("f", {}), ("g", {})]),
+        ("pythonic", '[f(a=1, b="two"), g()]', [("f", {"a": 1, "b": "two"}), ("g", {})]),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1]}}]', [("f", {"a": [1]})]),
+        ("mistral", '[TOOL_CALLS]f[ARGS]{"a": 1}', [("f", {"a": 1})]),
+        ("pythonic", '{"name": "f", "arguments": {}}', [("f", {})]),  # the constrained (bare JSON) form
+    ],
+)
+def test_parsers_read_their_family_form(parser: str, text: str, expected: list[Any]) -> None:
+    assert calls_of(parser, text) == expected
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "pythonic", "mistral"])
+def test_plain_text_and_broken_calls_stay_content(parser: str) -> None:
+    for text in ("The weather is fine.", '<tool_call>{"name": "f", "argu', "[1, 2, 3]", '{"a": 1}'):
+        parsed = parse_tool_calls(parser, text)
+        assert parsed.calls == () and parsed.content == text
+
+
+def test_hermes_keeps_the_text_around_calls_as_content() -> None:
+    parsed = parse_tool_calls("hermes", 'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert parsed.content == "Let me check."
+    assert parsed.calls[0].id.startswith("call_") and len(parsed.calls[0].id) > 10
+
+
+def split(parser: str, deltas: list[str]) -> tuple[str, list[str]]:
+    splitter = ToolStreamSplitter(parser)
+    out = "".join(splitter.push(d) for d in deltas)
+    rest, calls = splitter.finish()
+    return out + rest, [c.name for c in calls]
+
+
+def test_splitter_passes_text_and_holds_a_marker_split_across_deltas() -> None:
+    deltas = ["Sure", ", one moment <tool", '_call>{"name": "f", ', '"arguments": {}}</tool_call>']
+    assert split("hermes", deltas) == ("Sure, one moment ", ["f"])
+    assert split("hermes", ["a <to", "day"]) == ("a <today", [])
+
+
+def test_splitter_holds_an_answer_that_opens_with_json_and_releases_it_when_it_is_no_call() -> None:
+    assert split("llama3_json", ['{"name": "f",', ' "parameters": {}}']) == ("", ["f"])
+    assert split("hermes", ['{"a":', " 1}"]) == ('{"a": 1}', [])
+
+
+def test_template_detection() -> None:
+    assert not template_takes_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert detect_parser("{{ m.content }}") == "hermes"
+    assert detect_parser("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert detect_parser("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    assert detect_parser('{% if tools %}{"name": ..., "parameters": ...} ipython{% endif %}') == "llama3_json"
+    assert detect_parser("{% if tools %}[func_name1(params_name1=params_value1)]{% endif %}") == "pythonic"
+
+
+SCHEMAS: list[Any] = [
+    {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}, "b": {"type": "array", "items":
+        {"type": "integer", "minimum": 0}, "maxItems": 2}}, "required": ["a"]},
+    {"type": "object", "properties": {"x": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/P"}]}},
+     "$defs": {"P": {"type": "object", "properties": {"v": {"enum": ["p", "q"]}}, "required": ["v"]}}},
+    {"type": "object", "properties": {"n": {"type": ["number", "null"]}, "s": {"const": "k"}}},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_common_schemas_become_compact_ebnf_and_examples_validate(schema: Any) -> None:
+    grammar = json_grammar(schema)
+    assert grammar.kind == "ebnf" and grammar.value.startswith("root ::= ")
+    assert "ws ::= \" \"?" in grammar.value  # at most one space: no whitespace padding
+    jsonschema.validate(example_of(schema), schema)
+
+
+def test_uncommon_keywords_fall_back_to_the_json_schema_itself() -> None:
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
+    assert schema_grammar(schema) is None
+    assert json_grammar(schema).kind == "json_schema"
+    assert json.loads(json_grammar(schema).value) == schema
+
+
+def test_tool_call_grammar_per_family() -> None:
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {}}}, {"name": "g"}]
+    hermes = tool_call_grammar("hermes", functions, parallel=False)
+    assert [t.begin for t in hermes.tags] == ['<tool_call>\n{"name": "f", "arguments": ',
+                                              '<tool_call>\n{"name": "g", "arguments": ']
+    assert hermes.mode == "one" and hermes.tags[0].end == "}\n</tool_call>"
+    llama = tool_call_grammar("llama3_json", functions, parallel=True)
+    assert llama.mode == "many" and llama.separator == ";"
+    assert llama.tags[0].begin == '{"name": "f", "parameters": '
