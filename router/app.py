@@ -16,9 +16,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from router.body import model_of, read_body, too_large
+from router.clientapi import ClientApi
 from router.config import Config
+from router.cors import Cors
 from router.errors import BadRequest, ModelNotFound, NotFound, RouterError, error_body, error_response
+from router.events import EventBus
 from router.management import management_routes
+from router.modelstatus import StatusBus
 from router.proxy import ProxyRequest, forward, run_until_disconnect, send_error, upstream_headers
 from router.registry import Model
 from router.service import RouterService, check_key
@@ -130,22 +134,8 @@ def _unknown_model(name: str, known: Any) -> ModelNotFound:
     )
 
 
-def _models_list(service: RouterService) -> dict[str, Any]:
-    data = []
-    for row in service.models_table():
-        data.append({
-            "id": row["name"], "object": "model", "created": int(service.started_at), "owned_by": "ovrouter",
-            "status": str(row["state"]).lower(), "task": row["task"], "aliases": row["aliases"],
-        })
-    return {"object": "list", "data": data}
-
-
-def _routes(service: RouterService) -> list[Route]:
+def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
     proxy, upstream = _ProxyEndpoint(service), _UpstreamEndpoint(service)
-
-    async def list_models(request: Request) -> Response:
-        check_key(request.headers.get("authorization"), service.config.router.api_keys, "api_keys")
-        return JSONResponse(_models_list(service))
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(service.registry.models)})
@@ -156,8 +146,8 @@ def _routes(service: RouterService) -> list[Route]:
 
     routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]  # see _FastPath
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    routes += client_api.routes()  # /v1/models, /v1/models/{id}, /models, /models/load|unload|sse
     routes += [
-        Route("/v1/models", list_models, methods=["GET"]),
         Route("/upstream/{model}/{path:path}", upstream, methods=methods),
         Route("/upstream/{model}", upstream, methods=methods),
         Route("/health", health, methods=["GET"]),
@@ -207,9 +197,11 @@ class _FastPath:
             await self.app(scope, receive, send)
 
 
-def build_app(config: Config, service: RouterService | None = None) -> _FastPath:
+def build_app(config: Config, service: RouterService | None = None) -> Cors:
     """A router app for ``config``; model processes start and stop with its lifespan."""
     service = service or RouterService(config)
+    events = getattr(service, "events", None) or EventBus()
+    client_api = ClientApi(service, StatusBus(service, events))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -217,13 +209,14 @@ def build_app(config: Config, service: RouterService | None = None) -> _FastPath
         try:
             yield
         finally:
+            await client_api.close()
             await service.stop()
 
     app = Starlette(
-        routes=_routes(service),
+        routes=_routes(service, client_api),
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, RouterError: _router_error, Exception: _unexpected},
     )
     app.state.service = service
-    return _FastPath(app, service)
+    return Cors(_FastPath(app, service), service)
 

@@ -11,7 +11,8 @@
      ├ ServiceUnavailable       503  model_unavailable     (Retry-After when known)
      └ GatewayTimeout           504  backend_timeout
 
-Every body is ``{"error": {"message", "type", "code"}}``; nothing else ever reaches a client.
+Every body is ``{"error": {"message", "type", "param", "code"}}`` (``param`` null when no single
+parameter is at fault), the OpenAI spec's ``ErrorResponse``; nothing else ever reaches a client.
 """
 
 from __future__ import annotations
@@ -94,9 +95,7 @@ class GatewayTimeout(RouterError):
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
-    error: dict[str, object] = {"message": message, "type": type_, "code": code}
-    if param is not None:
-        error["param"] = param
+    error = {"message": message, "type": type_, "param": param, "code": code}  # param null when none: OpenAI's shape
     return json.dumps({"error": error}).encode()
 
 

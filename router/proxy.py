@@ -223,7 +223,7 @@ async def _end_broken_stream(model: Model, resp: UpstreamResponse, send: Send, e
     log.warning("%s %s: %s", model.spec.name, reason, exc)
     if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
         error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
-                           "code": "backend_error"}}
+                           "param": None, "code": "backend_error"}}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode(),
                     "more_body": True})
     await send({"type": "http.response.body", "body": b""})

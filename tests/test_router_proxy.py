@@ -48,7 +48,7 @@ async def test_openai_sdk_chat_stream_alias_and_models_list(tmp_path: Path) -> N
     async with running_router(path) as router:
         listed = (await router.client.get("/v1/models")).json()
         assert [m["id"] for m in listed["data"]] == ["echo", "other"]
-        assert {m["status"] for m in listed["data"]} == {"stopped"}
+        assert {m["status"]["value"] for m in listed["data"]} == {"unloaded"}
         client = sdk(router)
         reply = await client.chat.completions.create(
             model="gpt-4o-mini", messages=[{"role": "user", "content": "a b c"}]
@@ -65,8 +65,8 @@ async def test_openai_sdk_chat_stream_alias_and_models_list(tmp_path: Path) -> N
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == "one two three four" and len(chunks) >= 4
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
-        statuses = {m["id"]: m["status"] for m in (await router.client.get("/v1/models")).json()["data"]}
-        assert statuses == {"echo": "ready", "other": "stopped"}
+        statuses = {m["id"]: m["status"]["value"] for m in (await router.client.get("/v1/models")).json()["data"]}
+        assert statuses == {"echo": "loaded", "other": "unloaded"}
         await client.close()
 
 

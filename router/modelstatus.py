@@ -1,0 +1,179 @@
+"""Model status as clients read it (the llama.cpp router's model API), and a bus of its changes.
+
+procman's states map onto the four values clients know::
+
+    STOPPED   -> unloaded   (failed when the last start attempt failed)
+    STARTING  -> loading    (with an estimated progress once one start has been timed)
+    READY     -> loaded
+    STOPPING  -> unloaded
+    BACKOFF   -> failed     (a start failed or the process died; the next start waits out a delay)
+
+:class:`StatusBus` sits in procman's listener chain (it forwards every call to the listener
+it replaced, the registry) and publishes one ``model_status`` event per change of a model's
+value on the router's event bus (data in llama.cpp's shape), plus a progress event every
+``progress_interval_s`` while a model loads and somebody listens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from procman import Backend, State
+from router.events import EventBus
+from router.registry import Model
+from router.service import RouterService
+
+__all__ = ["KIND", "MODALITIES", "StatusBus"]
+
+log = logging.getLogger(__name__)
+
+VALUES: dict[State, str] = {
+    State.STOPPED: "unloaded",
+    State.STARTING: "loading",
+    State.READY: "loaded",
+    State.STOPPING: "unloaded",
+    State.BACKOFF: "failed",
+}
+
+#: What each task takes in and gives out, as llama.cpp's ``architecture`` field says it.
+MODALITIES: dict[str, tuple[list[str], list[str]]] = {
+    "llm": (["text"], ["text"]),
+    "vlm": (["text", "image"], ["text"]),
+    "embeddings": (["text"], ["embedding"]),
+    "rerank": (["text"], ["score"]),
+    "transcription": (["audio"], ["text"]),
+    "speech": (["text"], ["audio"]),
+}
+
+#: The kind of event this module publishes on the router's event bus.
+KIND = "model_status"
+
+
+class StatusBus:
+    """Listener of every backend (chained in front of the registry) and publisher of status events."""
+
+    def __init__(self, service: RouterService, events: EventBus, *, progress_interval_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.service = service
+        self.events = events
+        self.progress_interval_s = progress_interval_s
+        self._clock = clock
+        self._last_start_failed: dict[str, bool] = {}
+        self._load_began: dict[str, float] = {}
+        self._load_s: dict[str, float] = {}  # how long the last successful start took
+        self._published: dict[str, str] = {}
+        self._changed: dict[str, asyncio.Future[None]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        manager = service.registry.manager
+        self._inner = manager.listener
+        manager.listener = self
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def status(self, model: Model) -> dict[str, Any]:
+        """The ``status`` object of one model: ``{"value": ...}`` plus what explains it."""
+        backend = model.backend
+        name = model.spec.name
+        value = VALUES[backend.state]
+        if value == "unloaded" and backend.state is State.STOPPED and self._last_start_failed.get(name):
+            value = "failed"
+        status: dict[str, Any] = {"value": value}
+        if value == "loading":
+            status["progress"] = self._progress(name)
+        elif value == "failed":
+            status.update(failed=True, exit_code=backend.exit_code)
+            if backend.retry_after_s is not None:
+                status["retry_after_s"] = round(backend.retry_after_s, 1)
+        return status
+
+    def _progress(self, name: str) -> dict[str, Any]:
+        began = self._load_began.get(name)
+        elapsed = self._clock() - began if began is not None else 0.0
+        progress: dict[str, Any] = {"elapsed_s": round(elapsed, 2)}
+        expected = self._load_s.get(name)
+        if expected:
+            progress.update(expected_s=round(expected, 2), value=round(min(elapsed / expected, 0.99), 2))
+        return progress
+
+    def changed(self, name: str) -> asyncio.Future[None]:
+        """A future that resolves at the next state change of model ``name``."""
+        future = self._changed.get(name)
+        if future is None or future.done():
+            future = self._changed[name] = asyncio.get_running_loop().create_future()
+        return future
+
+    def event(self, model: Model) -> dict[str, Any]:
+        """A llama.cpp ``model_status`` event with the model's current status."""
+        status = self.status(model)
+        data = {"status": status.pop("value"), **status}
+        return {"model": model.spec.name, "event": KIND, "data": data}
+
+    def _publish(self, model: Model) -> str:
+        event = self.event(model)
+        self.events.publish(KIND, event)
+        return str(event["data"]["status"])
+
+    # -- procman Listener (every call is forwarded to the listener this bus replaced) -----------
+
+    def _forward(self, method: str, *args: Any) -> None:
+        callback = getattr(self._inner, method, None)
+        if callback is not None:
+            callback(*args)
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        self._forward("on_transition", backend, old, new)
+        name = backend.name
+        if new is State.STARTING:
+            self._load_began[name] = self._clock()
+        future = self._changed.pop(name, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+        self._publish_change(backend)
+        if new is State.STARTING:
+            self._start_ticker()
+
+    def _publish_change(self, backend: Backend) -> None:
+        """Publish the model's status when its value differs from the last one published."""
+        model = self.service.registry.models.get(backend.name)
+        if model is not None and model.backend is backend and self._published.get(backend.name) != (
+                self.status(model)["value"]):
+            self._published[backend.name] = self._publish(model)
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        self._forward("on_start", backend, reason, ok, duration_s)
+        self._last_start_failed[backend.name] = not ok
+        if ok:
+            self._load_s[backend.name] = duration_s
+        self._publish_change(backend)
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        self._forward("on_restart", backend, reason)
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        self._forward("on_stop", backend, reason)
+        self._last_start_failed.pop(backend.name, None)  # stopped on purpose: unloaded, not failed
+        self._publish_change(backend)
+
+    # -- load progress ------------------------------------------------------------------------
+
+    def _start_ticker(self) -> None:
+        if self.events.subscribers and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="model-status progress")
+
+    async def _tick(self) -> None:
+        while self.events.subscribers:
+            await asyncio.sleep(self.progress_interval_s)
+            loading = [m for m in self.service.registry.models.values() if m.backend.state is State.STARTING]
+            if not loading:
+                return
+            for model in loading:
+                self._publish(model)
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)

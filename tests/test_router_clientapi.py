@@ -1,0 +1,199 @@
+"""The clients' model API through a real router over fake-engine model servers: ``status`` on
+``/v1/models``, ``GET /v1/models/{id}``, and the llama.cpp router's ``/models``, ``/models/load``,
+``/models/unload`` and ``/models/sse``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Events:
+    """The ``data:`` events of one ``GET /models/sse`` stream, read with a bound."""
+
+    def __init__(self, lines: AsyncIterator[str]) -> None:
+        self.lines = lines
+
+    async def next(self, timeout_s: float = 30) -> dict[str, Any]:
+        async with asyncio.timeout(timeout_s):
+            async for line in self.lines:
+                if line.startswith("data: "):
+                    event: dict[str, Any] = json.loads(line[6:])
+                    return event
+        raise AssertionError("the event stream ended")
+
+    async def until(self, model: str, status: str) -> list[str]:
+        """Statuses ``model`` went through up to and including ``status`` (repeats, i.e. progress events, once)."""
+        seen: list[str] = []
+        while not seen or seen[-1] != status:
+            event = await self.next()
+            if event["model"] == model and (not seen or seen[-1] != event["data"]["status"]):
+                seen.append(event["data"]["status"])
+        return seen
+
+
+async def _status(router: RunningRouter, name: str, path: str = "/models") -> dict[str, Any]:
+    listed = (await router.client.get(path)).json()["data"]
+    status: dict[str, Any] = next(m for m in listed if m["id"] == name)["status"]
+    return status
+
+
+async def test_status_follows_a_model_through_unloaded_loading_loaded_unloaded(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"slow": fake_model(fake={"load_s": 0.5, "token_delay_s": 0.001}),
+                                   "other": fake_model()})
+    async with running_router(path) as router, router.client.stream("GET", "/models/sse") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = Events(stream.aiter_lines())
+        snapshot = [await events.next(), await events.next()]  # where every model stands on connect
+        assert {(e["model"], e["event"], e["data"]["status"]) for e in snapshot} == {
+            ("slow", "model_status", "unloaded"), ("other", "model_status", "unloaded")}
+        assert (await _status(router, "slow"))["value"] == "unloaded"
+
+        load = await router.client.post("/models/load", json={"model": "slow"})
+        assert (load.status_code, load.json()) == (200, {"success": True})
+        assert await events.until("slow", "loaded") == ["loading", "loaded"]
+        assert (await _status(router, "slow"))["value"] == "loaded"
+        assert (await _status(router, "slow", "/v1/models"))["value"] == "loaded"
+        assert (await _status(router, "other"))["value"] == "unloaded"
+
+        unload = await router.client.post("/models/unload", json={"model": "slow"})
+        assert (unload.status_code, unload.json()) == (200, {"success": True})
+        assert await events.until("slow", "unloaded") == ["unloaded"]
+        assert (await _status(router, "slow"))["value"] == "unloaded"
+        await _wait_stopped(router, "slow")
+
+        # the second load has a measured first load to estimate its progress from
+        await router.client.post("/models/load", json={"model": "slow"})
+        loading = await events.next()
+        assert loading["data"]["status"] == "loading"
+        progress = loading["data"]["progress"]
+        assert progress["expected_s"] > 0 and 0 <= progress["value"] < 1 and progress["elapsed_s"] >= 0
+        assert (await events.until("slow", "loaded"))[-1] == "loaded"
+
+
+async def _wait_stopped(router: RunningRouter, name: str) -> None:
+    """The process is gone (STOPPED), not only on its way (STOPPING), before the next load."""
+    async with asyncio.timeout(30):
+        while router.backend(name).state.value != "stopped":
+            await asyncio.sleep(0.02)
+
+
+async def test_a_request_loads_the_model_and_the_stream_says_so(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router, \
+            router.client.stream("GET", "/models/sse") as stream:
+        events = Events(stream.aiter_lines())
+        assert (await events.next())["data"]["status"] == "unloaded"
+        reply = await router.client.post("/v1/chat/completions",
+                                         json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+        assert await events.until("echo", "loaded") == ["loading", "loaded"]
+
+
+async def test_a_failed_load_is_status_failed_and_unload_clears_it(tmp_path: Path) -> None:
+    broken = fake_model(fake={"load_s": 0.01, "fail_load": "weights are corrupt"}, backoff_base_s=60)
+    async with running_router(write_config(tmp_path, {"broken": broken})) as router, \
+            router.client.stream("GET", "/models/sse") as stream:
+        events = Events(stream.aiter_lines())
+        await events.next()
+        load = await router.client.post("/models/load", json={"model": "broken"})
+        assert load.status_code in (200, 503), load.text  # 503 when the failure came within the answer's wait
+        assert (await events.until("broken", "failed"))[-1] == "failed"
+        status = await _status(router, "broken")
+        assert status["value"] == "failed" and status["failed"] is True and status["exit_code"] not in (None, 0)
+        for _ in range(2):  # the first failure retries at once; the second backs off (backoff_base_s)
+            again = await router.client.post("/models/load", json={"model": "broken"})
+            if again.status_code != 200:
+                break
+            assert (await events.until("broken", "failed"))[-1] == "failed"
+        assert again.status_code == 503 and again.headers.get("retry-after")  # in backoff: says when to retry
+        assert again.json()["error"]["code"] == "model_unavailable"
+        unload = await router.client.post("/models/unload", json={"model": "broken"})
+        assert unload.json() == {"success": True}
+        assert await events.until("broken", "unloaded") == ["unloaded"]
+
+
+async def test_load_and_unload_answer_like_llama_cpp_when_there_is_nothing_to_do(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model(aliases=["gpt-4o-mini"])})) as router:
+        not_loaded = await router.client.post("/models/unload", json={"model": "echo"})
+        assert not_loaded.status_code == 400 and not_loaded.json()["error"]["param"] == "model"
+        assert "not loaded" in not_loaded.json()["error"]["message"]
+        assert (await router.client.post("/models/load", json={"model": "gpt-4o-mini"})).json() == {"success": True}
+        await router.backend("echo").ensure_ready()
+        twice = await router.client.post("/models/load", json={"model": "echo"})
+        assert twice.status_code == 400 and "already loaded" in twice.json()["error"]["message"]
+
+
+async def test_model_api_errors_are_openai_shaped_and_name_the_fix(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        unknown = await router.client.post("/models/load", json={"model": "nope"})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"] | {"message": ""} == {
+            "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+        assert "echo" in unknown.json()["error"]["message"]
+        missing = await router.client.post("/models/load", json={})
+        assert (missing.status_code, missing.json()["error"]["param"]) == (400, "model")
+        bad = await router.client.post("/models/unload", content=b"{nope", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] is None
+        assert "not valid JSON" in bad.json()["error"]["message"]
+
+
+async def test_retrieve_a_model_by_id_or_alias_with_the_official_sdk(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model(aliases=["gpt-4o-mini"]), "vision": fake_model(task="vlm")})
+    async with running_router(path) as router:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            model = await client.models.retrieve("echo")
+            assert (model.id, model.object, model.owned_by) == ("echo", "model", "ovrouter")
+            alias = await client.models.retrieve("gpt-4o-mini")
+            assert alias.id == "gpt-4o-mini" and (alias.model_extra or {})["root"] == "echo"
+            vision = (await router.client.get("/v1/models/vision")).json()
+            assert vision["architecture"]["input_modalities"] == ["text", "image"]
+            assert vision["status"] == {"value": "unloaded"}
+            with pytest.raises(openai.NotFoundError) as caught:
+                await client.models.retrieve("nope")
+            assert caught.value.code == "model_not_found" and caught.value.param == "model"
+            listed = [m.id async for m in client.models.list()]
+            assert listed == ["echo", "vision"]
+        finally:
+            await client.close()
+
+
+async def test_model_api_auth_follows_api_and_admin_keys(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()}, router={"api_keys": ["user"], "admin_keys": ["admin"]})
+    async with running_router(path) as router:
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as bare:
+            user, admin = {"authorization": "Bearer user"}, {"authorization": "Bearer admin"}
+            assert (await bare.get("/v1/models/echo")).status_code == 401
+            assert (await bare.get("/v1/models/echo", headers=user)).status_code == 200
+            assert (await bare.get("/models", headers=user)).status_code == 401
+            assert (await bare.post("/models/load", json={"model": "echo"}, headers=user)).status_code == 401
+            assert (await bare.get("/models/sse", headers=user)).status_code == 401
+            denied = await bare.get("/models", headers=user)
+            assert denied.json()["error"]["param"] is None and "admin_keys" in denied.json()["error"]["message"]
+            assert (await bare.get("/models", headers=admin)).status_code == 200
+
+
+async def test_every_router_error_body_has_param(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        answers = [
+            await router.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "text/json"}),
+            await router.client.get("/no/such/route"),
+            await router.client.delete("/v1/models"),
+            await router.client.post("/v1/chat/completions", json={"model": "nope", "messages": []}),
+        ]
+        assert [a.status_code for a in answers] == [400, 404, 405, 404]
+        for answer in answers:
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+        assert answers[0].json()["error"]["param"] is None and answers[3].json()["error"]["param"] == "model"
