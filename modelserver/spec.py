@@ -82,6 +82,9 @@ class ModelSpec(_Frozen):
     save_ov_model: bool = Field(False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it")
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific engine options")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none")
+    loading_progress: Literal["comments", "reasoning", "off"] = Field(
+        "comments", description="a stream waiting on a start gets `: loading` comments (and reasoning_content chunks)"
+    )
 
     command: tuple[str, ...] | None = Field(
         None, description="launch this OpenAI-compatible server instead; ${PORT} / ${SOCKET} are substituted"

@@ -26,6 +26,7 @@ from router.modelstatus import StatusBus
 from router.proxy import ProxyRequest, forward, run_until_disconnect, send_error, upstream_headers
 from router.registry import Model
 from router.service import RouterService, check_key
+from router.ui_routes import console_routes
 
 __all__ = ["build_app"]
 
@@ -71,8 +72,10 @@ class _ProxyEndpoint:
             check_key(_header(scope, b"authorization"), self.service.config.router.api_keys, "api_keys")
             model, req = await self.prepare(scope, receive)
             name = model.spec.name
+            activity, pool = self.service.console.activity, self.service.pool
             status, gone = await run_until_disconnect(
-                lambda s: forward(model, req, self.service.pool, s), receive, send
+                lambda s: activity.run(model, req, _client(scope), s, lambda s2: forward(model, req, pool, s2)),
+                receive, send,
             )
             if gone:
                 log.info("%s %s: client disconnected, upstream closed", name, req.path)
@@ -142,6 +145,7 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
 
     async def metrics(request: Request) -> Response:
         check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
+        await service.console.refresh()
         return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]  # see _FastPath
@@ -153,7 +157,7 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return routes + management_routes(service)
+    return routes + management_routes(service) + console_routes(service)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

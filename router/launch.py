@@ -22,6 +22,7 @@ ROUTER_ONLY_FIELDS = frozenset(
         "retry_on_fatal",
         "request_timeout_s",
         "stream_idle_timeout_s",
+        "loading_progress",
     }
 )
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import TracebackType
 
+from router.activity import note_queue_wait
 from router.errors import TooManyRequests
 
 __all__ = ["Limiter"]
@@ -35,10 +37,12 @@ class Limiter:
                     retry_after_s=self.retry_after_s,
                 )
             self.queued += 1
+            began = time.perf_counter()
             try:
                 await self._slots.acquire()
             finally:
                 self.queued -= 1
+                note_queue_wait(time.perf_counter() - began)
         else:
             await self._slots.acquire()
         self.in_flight += 1

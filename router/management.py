@@ -45,7 +45,7 @@ def _row(service: RouterService, name: str) -> dict[str, Any]:
 
 def management_routes(service: RouterService) -> list[Route]:
     async def models(request: Request) -> Response:
-        return JSONResponse({"models": service.models_table()})
+        return JSONResponse({"models": service.console.enrich(service.models_table())})
 
     async def load(request: Request) -> Response:
         model = _model(service, request)

@@ -10,6 +10,16 @@ __all__ = ["Metrics"]
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _START_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: What a model server reports in its /health answer -> (metric name, help).
+BACKEND_GAUGES = {
+    "running": ("ovrouter_backend_running_requests", "generations running inside the model server"),
+    "scheduled_requests": ("ovrouter_backend_scheduled_requests", "requests the pipeline scheduled in its last step"),
+    "cache_usage": ("ovrouter_backend_kv_cache_usage_ratio", "KV-cache blocks in use, 0..1 (continuous batching)"),
+    "device_memory_bytes": ("ovrouter_model_device_memory_bytes", "device memory in use, when the device reports it"),
+}
 
 
 class Metrics:
@@ -45,8 +55,39 @@ class Metrics:
         self.reloads = Counter("ovrouter_config_reloads", "config reloads", ["result"], registry=r)
         self.config_valid = Gauge("ovrouter_config_valid", "0 while the file on disk fails validation", registry=r)
         self.config_valid.set(1)
+        self._activity(r)
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
+
+    def _activity(self, r: CollectorRegistry) -> None:
+        self.ttft = Histogram("ovrouter_time_to_first_token_seconds", "request arrival to the first streamed token",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("ovrouter_inter_token_latency_seconds",
+                             "mean time between streamed tokens after the first, one sample per request", ["model"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.queue_wait = Histogram("ovrouter_queue_wait_seconds", "time a request waited for a max_concurrency slot",
+                                    ["model"], buckets=_WAIT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ovrouter_prompt_tokens", "prompt tokens (from usage)", ["model"], registry=r)
+        self.completion_tokens = Counter("ovrouter_completion_tokens", "generated tokens (usage, else token events)",
+                                         ["model"], registry=r)
+        self.rss = Gauge("ovrouter_model_memory_rss_bytes", "resident memory of the model's process (from /proc)",
+                         ["model"], registry=r)
+        self.backend = {key: Gauge(name, text, ["model"], registry=r) for key, (name, text) in BACKEND_GAUGES.items()}
+        self.load_seconds = Gauge("ovrouter_model_last_load_seconds", "duration of the model's last successful start",
+                                  ["model"], registry=r)
+
+    def observe_activity(self, model: str, queue_s: float, ttft_s: float | None, itl_s: float | None,
+                         prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """A finished request's figures (see router.activity)."""
+        self.queue_wait.labels(model).observe(queue_s)
+        if ttft_s is not None:
+            self.ttft.labels(model).observe(ttft_s)
+        if itl_s is not None:
+            self.itl.labels(model).observe(itl_s)
+        if prompt_tokens:
+            self.prompt_tokens.labels(model).inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.labels(model).inc(completion_tokens)
 
     def observe_request(self, model: str, status: int, elapsed_s: float) -> None:
         """The hot path's metrics, with the labelled children cached (``labels()`` costs a lock)."""
@@ -67,7 +108,9 @@ class Metrics:
         """Drop the per-model series of a model that left the config."""
         self._request_children = {k: v for k, v in self._request_children.items() if k[0] != model}
         self._duration_children.pop(model, None)
-        for metric in (self.loaded, self.in_flight, self.queued):
+        per_model = (self.loaded, self.in_flight, self.queued, self.ttft, self.itl, self.queue_wait, self.prompt_tokens,
+                     self.completion_tokens, self.rss, self.load_seconds, *self.backend.values())
+        for metric in per_model:
             try:
                 metric.remove(model)
             except KeyError:

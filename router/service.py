@@ -11,7 +11,9 @@ import time
 from typing import Any
 
 from router.config import Config, ConfigError, load_config
+from router.console import Console
 from router.errors import Unauthorized
+from router.events import EventBus
 from router.metrics import Metrics
 from router.registry import Registry
 from router.reload import watch_config
@@ -43,6 +45,8 @@ class RouterService:
     def __init__(self, config: Config, metrics: Metrics | None = None) -> None:
         self.metrics = metrics or Metrics()
         self.registry = Registry(config, self.metrics)
+        self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.events)
+        self.console = Console(self)
         self.pool = UpstreamPool()
         self.started_at = time.time()
         self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}

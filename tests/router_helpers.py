@@ -20,8 +20,12 @@ from router.service import RouterService
 
 
 def fake_model(**overrides: Any) -> dict[str, Any]:
-    """A fake-engine LLM that loads at once and streams quickly."""
-    model: dict[str, Any] = {"task": "llm", "engine": "fake", "fake": {"load_s": 0.05, "token_delay_s": 0.005}}
+    """A fake-engine LLM that loads at once and streams quickly.
+
+    Without the cold-start feedback (``loading_progress: off``): these tests check the status a
+    cold streamed request gets; tests/test_router_metrics.py turns the feedback on."""
+    model: dict[str, Any] = {"task": "llm", "engine": "fake", "fake": {"load_s": 0.05, "token_delay_s": 0.005},
+                             "loading_progress": "off"}
     model.update(overrides)
     return model
 

@@ -1,0 +1,204 @@
+"""The operator's view of a running router: live events, per-model figures, request activity.
+
+One :class:`Console` per :class:`~router.service.RouterService`. It listens to procman
+beside the registry (a :class:`_Tee` of listeners on the ProcessManager), publishes what
+it hears on its :class:`~router.events.EventBus` (``state``, ``loading``, ``loaded``,
+``restart``), owns the :class:`~router.activity.Activity` of proxied requests, and computes
+the figures that ``/api/models``, ``/api/events``, ``/ui`` and ``ovrouter status`` show:
+RSS of the process (``/proc``), uptime, restarts by reason, the reason of the last
+start/stop/restart, the last load time, requests/min, TTFT p50, tokens/s, a sparkline,
+and what the model server reports in its ``/health`` answer (running generations, KV-cache
+usage, scheduled requests, device memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from procman import Backend, State
+from router.activity import Activity
+from router.events import EventBus
+from router.metrics import BACKEND_GAUGES
+
+if TYPE_CHECKING:
+    from router.service import RouterService
+
+__all__ = ["Console", "read_rss_bytes"]
+
+log = logging.getLogger(__name__)
+
+LOADING_TICK_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
+
+
+def read_rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of ``pid`` from ``/proc/<pid>/status`` (None off Linux or once it is gone)."""
+    if not pid:
+        return None
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+class Console:
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+        self.bus: EventBus = service.events
+        self.load_s: dict[str, float] = {}
+        self.last_reason: dict[str, str] = {}
+        self.restarts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.reported: dict[str, dict[str, Any]] = {}  # the last /health answer of each model server
+        self.activity = Activity(service.metrics, self.bus, self.load_s.get)
+        self._loading: dict[str, asyncio.Task[None]] = {}
+        manager = service.registry.manager
+        manager.listener = _Tee(manager.listener, self)
+
+    # -- procman listener ------------------------------------------------------------------------
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        self._publish_state(backend, old)
+        if new is State.STARTING and backend.name not in self._loading:
+            self._loading[backend.name] = asyncio.ensure_future(self._loading_ticks(backend))
+        elif new is not State.STARTING and (task := self._loading.pop(backend.name, None)) is not None:
+            task.cancel()
+        if new is State.STOPPED:
+            self.reported.pop(backend.name, None)
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        self.last_reason[backend.name] = f"start:{reason}" if ok else f"failed start:{reason}"
+        if ok:
+            self.load_s[backend.name] = duration_s
+            self.service.metrics.load_seconds.labels(backend.name).set(duration_s)
+        error = None if ok else backend.last_error
+        self.bus.publish("loaded", {"model": backend.name, "ok": ok, "reason": reason,
+                                    "duration_s": round(duration_s, 3), "last_error": error})
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        self.restarts[backend.name][reason] += 1
+        self.last_reason[backend.name] = f"restart:{reason}"
+        self.bus.publish("restart", {"model": backend.name, "reason": reason})
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        self.last_reason[backend.name] = f"stop:{reason}"
+        self._publish_state(backend, None)
+
+    def _publish_state(self, backend: Backend, old: State | None) -> None:
+        self.bus.publish("state", {
+            "model": backend.name, "state": backend.state.value.lower(), "old": old.value.lower() if old else None,
+            "pid": backend.pid, "reason": self.last_reason.get(backend.name), "last_error": backend.last_error,
+            "started_at": backend.started_at, "at": time.time(),
+        })
+
+    async def _loading_ticks(self, backend: Backend) -> None:
+        began = time.monotonic()
+        with contextlib.suppress(asyncio.CancelledError):
+            while backend.state is State.STARTING:
+                self.bus.publish("loading", {"model": backend.name, "elapsed_s": round(time.monotonic() - began, 1),
+                                             "estimate_s": _round(self.load_s.get(backend.name))})
+                await asyncio.sleep(LOADING_TICK_S)
+        self._loading.pop(backend.name, None)
+
+    # -- figures ----------------------------------------------------------------------------------
+
+    def figures(self, name: str, row: dict[str, Any]) -> dict[str, Any]:
+        """What the dashboard shows of one model beyond the models table's row."""
+        now = time.time()
+        pid = row.get("pid")
+        rss = read_rss_bytes(pid) if pid else None
+        started = row.get("started_at")
+        stats = self.activity.stats.get(name)
+        figures: dict[str, Any] = {
+            "rss_bytes": rss,
+            "uptime_s": round(now - started, 1) if started and str(row.get("state")).lower() == "ready" else None,
+            "restarts_by_reason": dict(self.restarts.get(name, {})),
+            "last_reason": self.last_reason.get(name),
+            "last_load_s": _round(self.load_s.get(name)),
+            "reported": self.reported.get(name, {}),
+        }
+        figures.update(stats.figures(now) if stats else {"requests_per_min": 0, "ttft_p50_s": None,
+                                                          "tokens_per_s": None, "errors_5m": 0, "sparkline": []})
+        return figures
+
+    def enrich(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for row in rows:
+            row.update(self.figures(row["name"], row))
+        return rows
+
+    async def refresh(self) -> None:
+        """Memory gauges from /proc and each ready model server's /health figures (bounded, concurrent)."""
+        models = self.service.registry.models
+        await asyncio.gather(*(self._ask_health(name) for name, m in models.items()
+                               if m.spec.launches_modelserver and m.backend.state is State.READY))
+        metrics = self.service.metrics
+        for name, model in models.items():
+            rss = read_rss_bytes(model.backend.pid) if model.backend.state is not State.STOPPED else None
+            metrics.rss.labels(name).set(rss or 0)
+            reported = self.reported.get(name, {})
+            for key, gauge in metrics.backend.items():
+                value = reported.get(key)
+                if isinstance(value, int | float):
+                    gauge.labels(name).set(value)
+
+    async def _ask_health(self, name: str) -> None:
+        model = self.service.registry.models.get(name)
+        address = model.backend.address if model else None
+        if address is None:
+            return
+        try:
+            pool = self.service.pool.pool(address)
+            resp = await asyncio.wait_for(pool.request("GET", "/health", [], b"", head_timeout_s=HEALTH_TIMEOUT_S),
+                                          HEALTH_TIMEOUT_S)
+            try:
+                body = json.loads(await resp.read(HEALTH_TIMEOUT_S))
+            finally:
+                resp.close()
+        except Exception as exc:  # a busy or dying backend: keep the last figures
+            log.debug("health figures of %s unavailable: %s", name, exc)
+            return
+        if isinstance(body, dict):
+            self.reported[name] = {k: v for k, v in body.items() if k in BACKEND_GAUGES or k == "pipeline"}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+class _Tee:
+    """Two procman listeners as one: the registry's (kept first) and the console's."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.listeners = [x for x in (first, second) if x is not None]
+
+    def _call(self, method: str, *args: Any) -> None:
+        for listener in self.listeners:
+            callback = getattr(listener, method, None)
+            if callback is None:
+                continue
+            try:
+                callback(*args)
+            except Exception:
+                log.exception("listener %s.%s failed", type(listener).__name__, method)
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        self._call("on_transition", backend, old, new)
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        self._call("on_start", backend, reason, ok, duration_s)
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        self._call("on_restart", backend, reason)
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        self._call("on_stop", backend, reason)

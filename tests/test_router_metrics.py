@@ -1,0 +1,173 @@
+"""Per-model activity figures and metrics, cold-start feedback, /api/events and request cancellation,
+on a real router in front of fake-engine model servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.router_helpers import fake_model, running_router, write_config
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three four five"}]}
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def _sse_lines(client: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        return [line async for line in resp.aiter_lines()]
+
+
+async def test_metrics_count_known_traffic(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model()})
+    async with running_router(config) as router:
+        for _ in range(3):
+            lines = await _sse_lines(router.client, {**CHAT, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+            assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"
+        for _ in range(2):
+            resp = await router.client.post("/v1/chat/completions", json=CHAT)
+            assert resp.status_code == 200
+        samples = _samples((await router.client.get("/metrics")).text)
+        assert _value(samples, "ovrouter_time_to_first_token_seconds_count", model="m") == 3  # streams only
+        assert _value(samples, "ovrouter_inter_token_latency_seconds_count", model="m") == 3
+        assert _value(samples, "ovrouter_queue_wait_seconds_count", model="m") == 5  # every request
+        # the fake engine counts words: 5 completion tokens per answer; its prompt count is what usage said
+        assert _value(samples, "ovrouter_completion_tokens_total", model="m") == 5 * 5
+        usage = resp.json()["usage"]
+        assert _value(samples, "ovrouter_prompt_tokens_total", model="m") == 5 * usage["prompt_tokens"]
+        assert _value(samples, "ovrouter_model_memory_rss_bytes", model="m") > 1 << 20
+        assert _value(samples, "ovrouter_model_last_load_seconds", model="m") > 0
+        rows = (await router.client.get("/api/models")).json()["models"]
+        row = next(r for r in rows if r["name"] == "m")
+        assert row["requests_per_min"] == 5 and row["ttft_p50_s"] is not None and row["rss_bytes"] > 0
+        assert sum(row["sparkline"]) == 5
+        recent = (await router.client.get("/api/requests")).json()["requests"]
+        assert [r["state"] for r in recent] == ["done"] * 5
+        assert {r["completion_tokens"] for r in recent} == {5}
+
+
+async def test_streams_waiting_on_a_start_get_comment_lines_first(tmp_path: Path) -> None:
+    slow = fake_model(fake={"load_s": 3, "token_delay_s": 0.005}, loading_progress="comments")
+    config = write_config(tmp_path, {"m": slow})
+    async with running_router(config) as router:
+        cold = await _sse_lines(router.client, {**CHAT, "stream": True})
+        comments = [line for line in cold if line.startswith(": loading m ")]
+        assert len(comments) >= 1
+        first_data = next(i for i, line in enumerate(cold) if line.startswith("data: "))
+        assert all(cold.index(c) < first_data for c in comments)
+        warm = await _sse_lines(router.client, {**CHAT, "stream": True})
+        assert not any(line.startswith(":") for line in warm)
+
+        def content(lines: list[str]) -> str:
+            out = ""
+            for line in lines:
+                if line.startswith("data: {"):
+                    out += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            return out
+
+        assert content(cold) == content(warm) == "one two three four five"
+
+
+async def test_the_sdk_stream_is_the_same_after_a_cold_start(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model(fake={"load_s": 3, "token_delay_s": 0.005},
+                                                     loading_progress="comments"),
+                                     "r": fake_model(fake={"load_s": 3, "token_delay_s": 0.005},
+                                                     loading_progress="reasoning")})
+    async with running_router(config) as router:
+        sdk = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+
+        async def deltas(model: str) -> list[tuple[str | None, str | None]]:
+            stream = await sdk.chat.completions.create(model=model, messages=CHAT["messages"], stream=True)
+            out = []
+            async for chunk in stream:
+                if chunk.choices:
+                    delta = chunk.choices[0].delta
+                    out.append((delta.content, getattr(delta, "reasoning_content", None)))
+            return out
+
+        cold, warm = await deltas("m"), await deltas("m")
+        assert cold == warm and "".join(c or "" for c, _ in cold) == "one two three four five"
+        reasoning = await deltas("r")
+        thinking = [r for _, r in reasoning if r]
+        assert thinking and all(r.startswith("loading r ") for r in thinking)
+        assert "".join(c or "" for c, _ in reasoning) == "one two three four five"
+        await sdk.close()
+
+
+async def test_a_failed_start_after_the_head_is_one_error_event(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model(fake={"load_s": 1.5, "fail_load": "no such weights"},
+                                                     loading_progress="comments")})
+    async with running_router(config) as router:
+        lines = await _sse_lines(router.client, {**CHAT, "stream": True})
+        assert lines[0].startswith(": loading m ")
+        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert len(errors) == 1 and "no such weights" in errors[0]["error"]["message"]
+
+
+async def test_api_events_streams_state_changes_and_finished_requests(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model()})
+    async with running_router(config) as router:
+        seen: list[tuple[str, dict[str, Any]]] = []
+        ready = asyncio.Event()
+
+        async def listen() -> None:
+            async with router.client.stream("GET", "/api/events") as resp:
+                kind = None
+                async for line in resp.aiter_lines():
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                    elif line.startswith("data: ") and kind:
+                        seen.append((kind, json.loads(line[6:])))
+                        if kind == "snapshot":
+                            ready.set()
+                        if kind == "request" and seen[-1][1]["state"] == "done":
+                            return
+
+        task = asyncio.create_task(listen())
+        await asyncio.wait_for(ready.wait(), 10)
+        assert (await router.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        await asyncio.wait_for(task, 20)
+        states = [d["state"] for k, d in seen if k == "state" and d["model"] == "m"]
+        assert states[:2] == ["starting", "ready"]
+        finished = [d for k, d in seen if k == "request" and d["state"] == "done"]
+        assert finished[0]["model"] == "m" and finished[0]["status"] == 200
+
+
+async def test_an_operator_cancels_a_request_in_flight(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model(fake={"load_s": 0.05, "token_delay_s": 0.5})})
+    async with running_router(config) as router:
+        assert (await router.client.post("/api/models/m/load")).status_code == 200
+        async with router.client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            lines = resp.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # the stream is under way
+            running = [r for r in (await router.client.get("/api/requests")).json()["requests"]
+                       if r["state"] == "running" and r["path"] == "/v1/chat/completions"]
+            assert len(running) == 1
+            cancelled = await router.client.post(f"/api/requests/{running[0]['id']}/cancel")
+            assert cancelled.status_code == 200
+            rest = [line async for line in lines]
+        errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {\"error\"")]
+        assert errors and errors[0]["code"] == "request_cancelled"
+        rows = (await router.client.get("/api/requests")).json()["requests"]
+        assert rows[0]["state"] == "cancelled"
+        assert (await router.client.post(f"/api/requests/{running[0]['id']}/cancel")).status_code == 404
+        assert router.backend("m").in_flight == 0
