@@ -24,13 +24,15 @@ from procman.logbuffer import LogBuffer
 from procman.manager import ProcessManager
 from procman.policy import RestartPolicy, backoff_delay
 from procman.prober import HttpProber, Prober
+from procman.room import Member, Room, Scope, victims
 from procman.runtime import Listener
 from procman.spawner import ProcessHandle, Spawner, SubprocessSpawner
 from procman.spec import BackendSpec, FrozenEnv
-from procman.states import ALLOWED, State
+from procman.states import ALLOWED, LOADED, State
 
 __all__ = [
     "ALLOWED",
+    "LOADED",
     "FAILURE_REASONS",
     "Address",
     "AddressAllocator",
@@ -45,11 +47,14 @@ __all__ = [
     "Lease",
     "Listener",
     "LogBuffer",
+    "Member",
     "ProcessHandle",
     "ProcessManager",
     "Prober",
     "ProcmanError",
     "RestartPolicy",
+    "Room",
+    "Scope",
     "Spawner",
     "StartFailed",
     "StartInterrupted",
@@ -57,4 +62,5 @@ __all__ = [
     "State",
     "SubprocessSpawner",
     "backoff_delay",
+    "victims",
 ]

@@ -1,14 +1,15 @@
-"""One supervised backend: its state machine, its lock, its in-flight count.
+"""One supervised backend: one owner task that feeds events to :func:`procman.machine.decide`.
 
-The lock's invariant: every state change happens while ``_lock`` is held, either by the
-coroutine that holds it or by the start task it awaits. Callers never inspect ``state``
-to decide anything: they call :meth:`Backend.ensure_ready` (or enter :meth:`Backend.request`),
-which under the lock returns the address of a READY process, joins the start in progress,
-starts one, or raises a :class:`~procman.errors.BackendUnavailable` saying why not.
+Every public method (``ensure_ready``, ``request``, ``stop``, ``restart``, ``update``,
+``retune``, ``close``) puts a command on the backend's queue and awaits its answer; the
+owner task takes commands and the reports of its helpers (a start ended, the process
+exited, a timer fired) one at a time, asks ``decide`` what to do, and carries out the
+effects. Nothing awaits inside a decision, so no lock is needed and none is held across a
+wait; helpers that wait (a start, a stop, a watch, a timer) run as tasks of their own and
+report back through the same queue. A caller that goes away (a client that disconnects)
+abandons its answer, never the work: the owner finishes what it started.
 
-Multi-step operations (stop, restart, reload, the reaction to a crash) run in tasks the
-backend owns, so a caller that is cancelled half way (a client that disconnects) can never
-leave the backend in STOPPING with nobody finishing the job.
+Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never change anything.
 """
 
 from __future__ import annotations
@@ -17,40 +18,112 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+from procman import machine as m
 from procman import process
-from procman.address import Address
-from procman.errors import BackendClosed, BackendUnavailable, InBackoff, StartInterrupted
-from procman.lifecycle import Lifecycle
+from procman.address import Address, safe_name
+from procman.errors import (
+    BackendClosed,
+    BackendUnavailable,
+    InBackoff,
+    InvalidTransition,
+    StartFailed,
+    StartInterrupted,
+)
+from procman.logbuffer import LogBuffer
+from procman.machine import FAILURE_REASONS, Counters
+from procman.runtime import Runtime
 from procman.spec import BackendSpec
-from procman.states import State
+from procman.states import ALLOWED, State
 
 __all__ = ["FAILURE_REASONS", "Backend", "Lease"]
 
 log = logging.getLogger(__name__)
 
-#: Restart reasons that count as a failure of the backend (they feed the backoff).
-FAILURE_REASONS = frozenset({"crash", "hang", "fatal"})
+#: Commands answered once the backend settles (the others are answered at once, or when a start ends).
+COMMANDS = (m.Stop, m.Close, m.Restart, m.Update, m.Retune)
+#: Settled states: a command (stop, restart, update) is answered once the backend rests in one.
+SETTLED = frozenset({State.STOPPED, State.READY, State.BACKOFF})
 
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """What a request talks to; ``generation`` names the process (it grows with every successful start)."""
+    """What a request talks to; ``generation`` names the process, ``exited`` completes when it is gone."""
 
     address: Address
     pid: int | None
     generation: int
+    exited: asyncio.Future[Any]
 
 
-class Backend(Lifecycle):
+class Backend:
     """A model process under supervision. Built by :class:`~procman.manager.ProcessManager`."""
+
+    def __init__(self, spec: BackendSpec, runtime: Runtime) -> None:
+        self.name = spec.name
+        self.spec = spec
+        self.state = State.STOPPED
+        self.state_since = runtime.clock()
+        self.counters = Counters(idle_since=runtime.clock())
+        self.started_at: float | None = None  # wall clock of the current process's spawn
+        self.last_used: float | None = None  # wall clock of the end of the last request
+        self.starts = 0
+        self.restarts = 0
+        self.last_error: str | None = None
+        self.exit_code: int | None = None  # of the last process that exited
+        self.logs = LogBuffer(runtime.log_dir / f"{safe_name(spec.name)}.log", runtime.log_lines)
+        self._rt = runtime
+        self._queue: asyncio.Queue[tuple[m.Event, asyncio.Future[Any] | None]] = asyncio.Queue()
+        self._owner: asyncio.Task[None] | None = None
+        self._running: process.Running | None = None
+        self._next_spec = spec
+        self._parked: list[tuple[asyncio.Future[Any], bool]] = []
+        self._settling: list[asyncio.Future[Any]] = []
+        self._start_error: BackendUnavailable | None = None
+        self._start_began = 0.0
+        self._abort: asyncio.Event | None = None
+        self._helpers: dict[str, asyncio.Task[Any]] = {}
 
     # -- what others read --------------------------------------------------------------------
 
+    @property
+    def pid(self) -> int | None:
+        return self._running.pid if self._running is not None else None
+
+    @property
+    def address(self) -> Address | None:
+        return self._running.address if self._running is not None else None
+
+    @property
+    def generation(self) -> int:
+        return self.counters.generation
+
+    @property
+    def in_flight(self) -> int:
+        return self.counters.in_flight
+
+    @property
+    def failures(self) -> int:
+        """Consecutive failures; 0 once the process stayed READY for ``stable_after_s``."""
+        return m.failures_now(self.state, self.counters, self.spec.tuning, self._rt.clock())
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """Seconds until a start may be tried again, while in BACKOFF."""
+        return m.backoff_remaining(self.counters, self._rt.clock()) if self.state is State.BACKOFF else None
+
+    @property
+    def closed(self) -> bool:
+        return self.counters.closed
+
+    def is_idle(self) -> bool:
+        """READY with nothing in flight: what idle stop and eviction may stop."""
+        return self.state is State.READY and self.counters.in_flight == 0 and not self.counters.draining
+
     def snapshot(self) -> dict[str, object]:
-        self._reset_if_stable()
         return {
             "name": self.name,
             "state": self.state.value,
@@ -66,224 +139,291 @@ class Backend(Lifecycle):
             "last_error": self.last_error,
             "exit_code": self.exit_code,
             "retry_after_s": self.retry_after_s,
+            "reason": self.counters.reason or None,
         }
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} {self.state.value} pid={self.pid}>"
 
-    # -- the entry ---------------------------------------------------------------------------
+    # -- what others ask ---------------------------------------------------------------------
 
     async def ensure_ready(self) -> Address:
         """The address of a READY process, starting one if needed; raises BackendUnavailable.
 
-        Concurrent callers share one start: whoever waited on the lock while a start ran
-        gets that start's result (its address, or the very error it raised).
+        Concurrent callers share one start: everyone parked on it gets its address, or the
+        very error it raised.
         """
-        return (await self._admit(count=False)).address
+        return (await self._want(count=False)).address
 
     @contextlib.asynccontextmanager
     async def request(self) -> AsyncIterator[Lease]:
         """``async with backend.request() as lease:`` counts a request in flight for its duration.
 
-        The ready check and the count happen under the lock, so no stop slips in between;
-        a stop with ``drain=True`` waits for the count to reach zero.
+        The ready check and the count are one decision, so no stop slips in between; a stop
+        with ``drain=True`` waits for the count to reach zero.
         """
-        lease = await self._admit(count=True)
+        lease = await self._want(count=True)
         try:
             yield lease
         finally:
-            self._request_done()
-
-    async def _admit(self, count: bool) -> Lease:
-        joined = self._pending_start()
-        try:
-            return await self._admit_once(joined, count)
-        except StartInterrupted as exc:
-            if exc.by != "reload":
-                raise
-            return await self._admit_once(None, count)  # the reload starts the new spec: wait for that one
-
-    async def _admit_once(self, joined: asyncio.Task[Address] | None, count: bool) -> Lease:
-        async with self._lock:
-            address = await self._ready_locked(joined)
-            if count:
-                self.in_flight += 1
-                self._drained.clear()
-            return Lease(address, self.pid, self.generation)
-
-    def _request_done(self) -> None:
-        self.in_flight -= 1
-        self.last_used = time.time()
-        self._idle_since = self._rt.clock()
-        if self.in_flight == 0:
-            self._drained.set()
-            self._arm_idle()
-
-    async def _ready_locked(self, joined: asyncio.Task[Address] | None) -> Address:
-        if joined is not None and joined.done() and not joined.cancelled():
-            error = joined.exception()
-            if error is not None and not isinstance(error, StartInterrupted):
-                raise error  # the start we queued behind failed: the same answer for everyone who waited
-        if self._closed:
-            raise BackendClosed(f"{self.name} was removed or is shutting down")
-        pending = self._pending_start()
-        if pending is not None:  # a start whose first caller went away; join it
-            return await asyncio.shield(pending)
-        self._reset_if_stable()
-        if self.state is State.READY and self._running is not None:
-            return self._running.address
-        if self.state is State.BACKOFF and (remaining := self._backoff_remaining()) > 0:
-            raise InBackoff(self._backoff_message(remaining), retry_after_s=remaining)
-        await self._before_start()
-        return await self._launch("cold")
-
-    def _backoff_message(self, remaining: float) -> str:
-        return (
-            f"{self.name} is backing off after {self.failures} failure(s); next try in {remaining:.1f}s"
-            f" (last error: {self.last_error})"
-        )
-
-    # -- stop, restart, update ---------------------------------------------------------------
+            done = self._post(m.Done(), want_reply=True)
+            assert done is not None
+            await done
 
     async def stop(self, reason: str = "stop", *, drain: bool = True) -> None:
         """Stop the process (after in-flight requests finish, bounded, when ``drain``); -> STOPPED.
 
         Interrupts a start in progress. The next ``ensure_ready`` cold-starts again.
         """
-        self._interrupt_start(reason)
-        await self._owned(self._stop_op(reason, drain))
+        await self._ask(m.Stop(reason, drain))
 
     async def restart(self, reason: str, *, generation: int | None = None) -> None:
-        """Kill now (no drain) and relaunch. With ``generation``, only if that process is still the READY one.
+        """Replace the process now (no drain). With ``generation``, only if that process is still the READY one.
 
-        ``crash``, ``hang`` and ``fatal`` count as failures (backoff applies); any other
-        reason (``manual``) relaunches at once. Never raises for a failed relaunch: the
-        error is in ``last_error`` and the next ``ensure_ready`` reports it.
+        ``crash``, ``hang`` and ``fatal`` count as failures (backoff applies) and SIGKILL at
+        once; any other reason (``manual``) stops gracefully and relaunches at once. Never
+        raises for a failed relaunch: the error is in ``last_error`` and the next
+        ``ensure_ready`` reports it.
         """
-        await self._owned(self._restart_op(reason, generation))
+        await self._ask(m.Restart(reason, generation))
 
     async def update(self, spec: BackendSpec) -> None:
-        """Apply a changed spec: drain, stop, swap, start again if it was loaded (else stay STOPPED)."""
+        """Apply a changed spec. Supervision settings only: :meth:`retune`, the process stays.
+
+        Anything the process sees (argv, env, cwd, url, transport): drain, stop, swap, and
+        start again if it was loaded (else stay STOPPED).
+        """
         if spec.name != self.name:
             raise ValueError(f"update of {self.name!r} got a spec named {spec.name!r}")
         if spec == self.spec:
             return
-        retrying = self.state is State.BACKOFF and self._retry is not None and not self._retry.done()
-        was_loaded = retrying or self.state in (State.STARTING, State.READY)
-        self._interrupt_start("reload")
-        await self._owned(self._update_op(spec, was_loaded))
+        if spec.process_view == self.spec.process_view:
+            await self.retune(spec)
+            return
+        self._next_spec = spec
+        await self._ask(m.Update())
+
+    async def retune(self, spec: BackendSpec) -> None:
+        """New supervision settings (timeouts, health, idle, restart policy) for the running process."""
+        if spec.process_view != self.spec.process_view:
+            raise ValueError(f"{self.name}: retune cannot change what the process runs; use update()")
+        self._next_spec = spec
+        await self._ask(m.Retune())
 
     async def close(self, *, drain: bool) -> None:
         """Stop for good: later ``ensure_ready`` calls raise BackendClosed."""
-        self._closed = True
-        reason = "remove" if drain else "shutdown"
-        self._interrupt_start(reason)
-        await self._owned(self._stop_op(reason, drain))
+        await self._ask(m.Close(drain))
         self.logs.close()
 
     def kill_now(self) -> None:
         """SIGKILL the process group at once (a shutdown that ran out of time)."""
         process.kill_now(self._running)
 
-    async def _stop_op(self, reason: str, drain: bool) -> None:
-        async with self._lock:
-            await self._stop_locked(reason, drain)
-
-    async def _restart_op(self, reason: str, generation: int | None) -> None:
-        async with self._lock:
-            await self._join_start()
-            if self._closed:
-                return
-            if generation is not None and (generation != self.generation or self.state is not State.READY):
-                log.debug("%s restart(%s) for generation %s skipped: now %s", self.name, reason, generation, self)
-                return
-            if self.state is State.READY and reason in FAILURE_REASONS:
-                await self._fault_locked(reason)
-            else:
-                await self._replace_locked(reason)
-
-    async def _update_op(self, spec: BackendSpec, was_loaded: bool) -> None:
-        async with self._lock:
-            await self._join_start()
-            if self._closed or spec == self.spec:
-                return
-            was_loaded = was_loaded or self.state is State.READY
-            await self._stop_locked("reload", drain=True)
-            self.spec = spec
-            self.failures = 0
-            self._backoff_until = None
-            log.info("%s spec updated%s", self.name, "; starting it again" if was_loaded else "")
-            if was_loaded:
-                await self._relaunch_quietly("reload")
-
-    async def _stop_locked(self, reason: str, drain: bool) -> None:
-        self._cancel(self._retry)
-        await self._join_start()
-        if self.state is State.BACKOFF:
-            self._set_state(State.STOPPED)
-            self._rt.notify("on_stop", self, reason)
-            return
-        if self.state is not State.READY:
-            return
-        if drain:
-            await self._drain(reason)
-        self._set_state(State.STOPPING)
-        await self._terminate()
-        self._set_state(State.STOPPED)
-        log.info("stopped %s (%s)", self.name, reason)
-        self._rt.notify("on_stop", self, reason)
-
-    async def _drain(self, reason: str) -> None:
-        if self.in_flight == 0:
-            return
-        log.info("%s: %s waits for %d request(s) in flight", self.name, reason, self.in_flight)
-        drained = asyncio.ensure_future(self._drained.wait())
+    async def _want(self, count: bool) -> Lease:
+        if self.counters.closed:
+            raise BackendClosed(f"{self.name} was removed or is shutting down")
+        reply = self._post(m.Want(count), want_reply=True)
+        assert reply is not None
         try:
-            done = await self._rt.wait_done(drained, self.spec.drain_timeout_s)
-        finally:
-            drained.cancel()
-        if not done:
-            log.warning(
-                "%s: %d request(s) still in flight after drain_timeout_s=%g; stopping anyway",
-                self.name,
-                self.in_flight,
-                self.spec.drain_timeout_s,
-            )
+            return await reply  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            if count and reply.done() and not reply.cancelled() and reply.exception() is None:
+                self._post(m.Done())  # admitted, but the caller went away before it knew
+            raise
 
-    async def _replace_locked(self, reason: str) -> None:
-        """A restart that is no failure: kill what runs, then start again right away."""
-        if self.state is State.READY:
-            self.restarts += 1
-            self._rt.notify("on_restart", self, reason)
-            self._set_state(State.STOPPING)
-            await self._terminate()
-        elif self.state in (State.STOPPED, State.BACKOFF):
-            self._cancel(self._retry)
-            if not await self._before_start_quietly():
-                return
-        await self._launch_quietly(reason)
+    async def _ask(self, event: m.Event) -> None:
+        reply = self._post(event, want_reply=True)
+        assert reply is not None
+        await reply
 
-    # -- failures and recovery ---------------------------------------------------------------
+    def _post(self, event: m.Event, want_reply: bool = False) -> asyncio.Future[Any] | None:
+        reply = asyncio.get_running_loop().create_future() if want_reply else None
+        self._queue.put_nowait((event, reply))
+        if self._owner is None or self._owner.done():
+            self._owner = asyncio.get_running_loop().create_task(self._run(), name=f"procman {self.name}")
+        return reply
 
-    async def _fault_locked(self, reason: str) -> None:
-        """The READY process crashed, hung or hit a fatal error: count it, clean up, relaunch."""
-        self.restarts += 1
-        self._rt.notify("on_restart", self, reason)
-        self._reset_if_stable()
+    # -- the owner ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not (self.counters.closed and self.state is State.STOPPED and self._queue.empty()):
+            event, reply = await self._queue.get()
+            try:
+                self._handle(event, reply)
+            except Exception as exc:  # a bug must not kill the owner: the caller hears it, the log has it
+                log.exception("%s: handling %r failed", self.name, event)
+                if reply is not None and not reply.done():
+                    reply.set_exception(exc)
+        self._cancel(*list(self._helpers))  # closed and stopped: no timer or watch outlives the backend
+
+    def _handle(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if reply is not None and reply.done():
+            return  # the caller went away before its turn
         running = self._running
-        if reason == "crash" and running is not None:
-            tail = self.logs.since(running.log_mark, 5)
-            error = f"{self.name} pid={running.pid} exited unexpectedly with code {running.exit_code}"
-            log.warning("%s", error)
-            await self._terminate()  # reaps, and kills what the process left in its group
-            self._note_failure(error + ("; last log lines:\n" + "\n".join(tail) if tail else ""))
+        if isinstance(event, m.Want) and running is not None and running.exited.done() and self.state is State.READY:
+            self._apply(m.Exited(self.generation), None)  # the death comes first: never admit to a dead process
+        if isinstance(event, m.Retune):
+            self.spec = self._next_spec
+        elif isinstance(event, m.Done):
+            self.last_used = time.time()
+        self._apply(event, reply)
+        if reply is not None and not reply.done() and isinstance(event, COMMANDS):
+            self._settling.append(reply)
+        elif reply is not None and not reply.done() and not isinstance(event, m.Want):
+            reply.set_result(None)
+        if self.state in SETTLED and not self.counters.draining:
+            settling, self._settling = self._settling, []
+            for waiter in settling:
+                if not waiter.done():
+                    waiter.set_result(None)
+        self._rt.changed(self)
+
+    def _apply(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if isinstance(event, m.Started):
+            self._landed(event)
+        old = self.state
+        decision = m.decide(old, event, self.counters, self.spec.tuning, self._rt.clock())
+        self.counters = decision.counters
+        if decision.state is not old:
+            self._set_state(decision.state)
+        for effect in decision.effects:
+            self._do(effect, event, reply)
+
+    def _landed(self, event: m.Started) -> None:
+        if isinstance(event.payload, process.Running):
+            self._running = event.payload
+        elif isinstance(event.payload, BackendUnavailable):
+            self._start_error = event.payload
+            self.started_at = None
+            self.exit_code = event.payload.exit_code if isinstance(event.payload, StartFailed) else None
+
+    def _set_state(self, new: State) -> None:
+        """The one mutator of ``state``: checks ``ALLOWED``, logs ``name old->new pid``, tells the listeners."""
+        old = self.state
+        if new not in ALLOWED[old]:
+            raise InvalidTransition(f"{self.name}: {old.name}->{new.name} is not an allowed transition")
+        self.state = new
+        self.state_since = self._rt.clock()
+        log.info("%s %s->%s pid=%s", self.name, old.name, new.name, self.pid)
+        self._rt.notify("on_transition", self, old, new)
+
+    # -- effects -----------------------------------------------------------------------------
+
+    def _do(self, effect: m.Effect, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        handler = _EFFECTS[type(effect)]
+        handler(self, effect, event, reply)
+
+    def _admit(self, effect: m.Admit, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        running = self._running
+        if reply is not None and running is not None:
+            reply.set_result(Lease(running.address, running.pid, self.generation, running.exited))
+
+    def _park(self, effect: m.Park, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if reply is not None:
+            self._parked.append((reply, isinstance(event, m.Want) and event.count))
+
+    def _refuse(self, effect: m.Refuse, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if reply is not None:
+            reply.set_exception(self._refusal(effect.why, effect.retry_after_s))
+
+    def _refusal(self, why: str, retry_after_s: float | None = None, by: str = "") -> BackendUnavailable:
+        if why == "backoff":
+            remaining = retry_after_s or 0.0
+            message = (
+                f"{self.name} is backing off after {self.counters.failures} failure(s); next try in {remaining:.1f}s"
+                f" (last error: {self.last_error})"
+            )
+            return InBackoff(message, retry_after_s=remaining)
+        if why == "interrupted":
+            return StartInterrupted(f"the start of {self.name} was interrupted ({by})", by=by)
+        if why == "failed" and self._start_error is not None:
+            return self._start_error
+        return BackendClosed(f"{self.name} was removed or is shutting down")
+
+    def _wake(self, effect: m.Wake, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        parked, self._parked = self._parked, []
+        for waiter, count in parked:
+            if not waiter.done():
+                self._apply(m.Want(count), waiter)
+
+    def _fail_parked(self, effect: m.FailParked, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        parked, self._parked = self._parked, []
+        if not parked:
+            return
+        error = self._refusal(effect.why, effect.retry_after_s, effect.by)
+        if effect.why == "failed" and effect.retry_after_s is not None:
+            error.retry_after_s = effect.retry_after_s
+        for waiter, _ in parked:
+            if not waiter.done():
+                waiter.set_exception(error)
+                waiter.add_done_callback(_retrieve)
+
+    def _spawn(self, effect: m.Spawn, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._abort = abort = asyncio.Event()
+        self._start_error = None
+        self._start_began = self._rt.clock()
+        self.started_at = time.time()
+        self._helper("start", self._start(effect.reserve, abort))
+
+    def _abort_start(self, effect: m.Abort, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if self._abort is not None:
+            self._abort.set()
+
+    def _terminate(self, effect: m.Terminate, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._cancel("watch", "idle")
+        if effect.graceful:
+            self._helper("stop", self._stop_process(graceful=True))
         else:
-            error = f"{self.name} pid={self.pid} was killed: {self._fault_words(reason)}"
+            log.warning("%s pid=%s: killing it at once (SIGKILL)", self.name, self.pid)
+            self._helper("stop", self._stop_process(graceful=False))
+
+    def _reap(self, effect: m.Reap, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._cancel("watch", "idle")
+        running, self._running = self._running, None
+        if running is None:
+            return
+        process.kill_now(running)  # whatever the dead process left in its group
+        self.exit_code = running.exit_code
+        self.logs.note(f"pid={running.pid} exited with code {self.exit_code}")
+        self._release(running)
+
+    def _watch(self, effect: m.Watch, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        running = self._running
+        if running is not None:
+            self._helper("watch", self._watch_process(running, self.generation))
+
+    def _arm(self, effect: m.Arm, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        fire: m.Event = {"idle": m.IdleTick(), "retry": m.RetryDue(), "drain": m.DrainTimeout()}[effect.timer]
+        self._helper(effect.timer, self._timer(effect.delay_s, fire))
+
+    def _disarm(self, effect: m.Disarm, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._cancel(effect.timer)
+
+    def _notify(self, effect: m.Notify, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if effect.what == "start":
+            self.starts += effect.ok
+            self._rt.notify("on_start", self, effect.reason, effect.ok, self._rt.clock() - self._start_began)
+        elif effect.what == "restart":
+            self.restarts += 1
+            self._rt.notify("on_restart", self, effect.reason)
+        else:
+            log.info("stopped %s (%s)", self.name, effect.reason)
+            self._rt.notify("on_stop", self, effect.reason)
+
+    def _blame(self, effect: m.Blame, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        running = self._running
+        pid = running.pid if running is not None else None
+        if effect.reason == "start":
+            self.last_error = str(self._start_error) if self._start_error is not None else "start failed"
+            return
+        if effect.reason == "crash" and running is not None:
+            tail = self.logs.since(running.log_mark, 5)
+            error = f"{self.name} pid={pid} exited unexpectedly with code {running.exit_code}"
             log.warning("%s", error)
-            self._set_state(State.STOPPING)
-            await self._terminate()
-            self._note_failure(error)
-        await self._recover(reason)
+            self.last_error = error + ("; last log lines:\n" + "\n".join(tail) if tail else "")
+            return
+        self.last_error = f"{self.name} pid={pid} was killed: {self._fault_words(effect.reason)}"
+        log.warning("%s", self.last_error)
 
     def _fault_words(self, reason: str) -> str:
         if reason == "hang":
@@ -294,88 +434,128 @@ class Backend(Lifecycle):
             return "the backend reported an unrecoverable (fatal) error"
         return reason
 
-    async def _recover(self, reason: str) -> None:
-        """In BACKOFF after a failure: relaunch now, later (a timer), or give up after max_retries."""
-        while self.state is State.BACKOFF and not self._closed:
-            if self.failures > self.spec.policy.max_retries:
-                log.warning("%s gave up after %d failed starts", self.name, self.failures)
-                return
-            remaining = self._backoff_remaining()
-            if remaining > 0:
-                self._retry = asyncio.ensure_future(self._retry_later(remaining, reason))
-                return
-            if not await self._before_start_quietly():
-                return
-            with contextlib.suppress(BackendUnavailable):
-                await self._launch(reason)
+    def _swap(self, effect: m.Swap, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self.spec = self._next_spec
+        log.info("%s spec updated", self.name)
 
-    async def _retry_later(self, delay_s: float, reason: str) -> None:
+    def _give_up(self, effect: m.GiveUp, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        log.warning("%s gave up after %d failed starts", self.name, self.counters.failures)
+
+    def _follow_up(self, effect: m.FollowUp, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._apply(effect.event, None)
+
+    # -- helpers: the tasks that wait, and report back ----------------------------------------
+
+    def _helper(self, slot: str, coro: Any) -> None:
+        self._cancel(slot)
+        self._helpers[slot] = asyncio.get_running_loop().create_task(coro, name=f"procman {self.name} {slot}")
+
+    def _cancel(self, *slots: str) -> None:
+        for slot in slots:
+            task = self._helpers.pop(slot, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+
+    async def _timer(self, delay_s: float, fire: m.Event) -> None:
         await self._rt.sleep(delay_s)
-        await self._owned(self._retry_op(reason))
+        self._post(fire)
 
-    async def _retry_op(self, reason: str) -> None:
-        async with self._lock:
-            if self.state is State.BACKOFF and self._pending_start() is None:
-                await self._recover(reason)
+    async def _start(self, reserve: bool, abort: asyncio.Event) -> None:
+        self._post(await self._starting(reserve, abort))
 
-    async def _relaunch_quietly(self, reason: str) -> None:
-        if await self._before_start_quietly():
-            await self._launch_quietly(reason)
-
-    async def _launch_quietly(self, reason: str) -> None:
-        """A relaunch nobody waits on: a failure goes to recovery (backoff), not to a caller."""
+    async def _starting(self, reserve: bool, abort: asyncio.Event) -> m.Started:
         try:
-            await self._launch(reason)
-        except StartInterrupted:
-            pass
-        except BackendUnavailable:
-            await self._recover(reason)
+            hook = self._rt.before_start if reserve and not self.spec.remote else None
+            if hook is not None and not await _unless(abort, hook(self)):
+                return m.Started("aborted")
+            running = await process.launch(self._rt, self.spec, self.logs, abort)
+        except process.Aborted as stopped:
+            return m.Started("aborted", has_process=True, payload=stopped.running)
+        except NoRoom as refused:
+            return m.Started("refused", payload=refused.error)
+        except BackendUnavailable as exc:
+            return m.Started("failed", payload=exc)
+        except Exception as exc:  # a bug or an odd OS error must fail the start, never wedge it in STARTING
+            log.exception("%s: start failed unexpectedly", self.name)
+            return m.Started("failed", payload=BackendUnavailable(f"{self.name}: start failed unexpectedly: {exc!r}"))
+        return m.Started("ok", payload=running)
 
-    async def _before_start(self) -> None:
-        if self._rt.before_start is not None:
-            await self._rt.before_start(self)
+    async def _stop_process(self, graceful: bool) -> None:
+        running = self._running  # pid and address stay visible while STOPPING
+        if running is not None:
+            try:
+                if graceful:
+                    self.exit_code = await process.terminate(self._rt, self.spec, running, self.logs)
+                else:
+                    self.exit_code = await process.kill(self._rt, self.spec, running, self.logs)
+            except Exception:  # never stay in STOPPING: the group gets SIGKILL and the state moves on
+                log.exception("%s: stopping pid=%s failed; sending SIGKILL", self.name, running.pid)
+                process.kill_now(running)
+            finally:
+                self._running = None
+                self._release(running)
+        self._post(m.Reaped())
 
-    async def _before_start_quietly(self) -> bool:
-        try:
-            await self._before_start()
-        except Exception as exc:
-            log.warning("%s not relaunched: %s", self.name, exc, exc_info=not isinstance(exc, BackendUnavailable))
-            self.last_error = str(exc)
-            return False
-        return True
+    def _release(self, running: process.Running) -> None:
+        self.started_at = None
+        self._rt.allocator.release(running.address)
 
-    # -- background watchers -----------------------------------------------------------------
+    async def _watch_process(self, running: process.Running, generation: int) -> None:
+        reason = await process.watch(self._rt, lambda: self.spec, running)
+        self._post(m.Exited(generation) if reason == "crash" else m.Hung(generation))
 
-    def _on_ready(self, running: process.Running) -> None:
-        self._monitor = asyncio.ensure_future(self._watch(running, self.generation))
-        self._arm_idle()
 
-    async def _watch(self, running: process.Running, generation: int) -> None:
-        reason = await process.watch(self._rt, self.spec, running)
-        await self._owned(self._fault_op(reason, generation))
+class NoRoom(Exception):
+    """``before_start`` refused the start (wraps its BackendUnavailable)."""
 
-    async def _fault_op(self, reason: str, generation: int) -> None:
-        async with self._lock:
-            if not self._closed and generation == self.generation and self.state is State.READY:
-                await self._fault_locked(reason)
+    def __init__(self, error: BackendUnavailable) -> None:
+        super().__init__(str(error))
+        self.error = error
 
-    def _arm_idle(self) -> None:
-        if self.spec.idle_timeout_s <= 0 or not self.is_idle() or self._closed:
-            return
-        if self._idle is None or self._idle.done():
-            self._idle = asyncio.ensure_future(self._idle_watch())
 
-    async def _idle_watch(self) -> None:
-        timeout = self.spec.idle_timeout_s
-        while self.is_idle() and not self._closed:
-            remaining = self._idle_since + timeout - self._rt.clock()
-            if remaining > 0:
-                await self._rt.sleep(remaining)
-            else:
-                await self._owned(self._idle_op(timeout))
+async def _unless(abort: asyncio.Event, hook: Awaitable[None]) -> bool:
+    """Run the ``before_start`` hook unless ``abort`` comes first; False when aborted."""
+    task = asyncio.ensure_future(hook)
+    aborted = asyncio.ensure_future(abort.wait())
+    try:
+        await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        aborted.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    try:
+        task.result()
+    except BackendUnavailable as exc:
+        raise NoRoom(exc) from None
+    except Exception as exc:
+        log.warning("before_start failed: %r", exc)
+        raise NoRoom(BackendUnavailable(f"cannot start: {exc}")) from None
+    return True
 
-    async def _idle_op(self, timeout: float) -> None:
-        async with self._lock:
-            if self.is_idle() and self._rt.clock() - self._idle_since >= timeout:
-                log.info("%s idle for %gs", self.name, timeout)
-                await self._stop_locked("idle", drain=False)
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # an error nobody awaited any more must not warn at exit
+
+
+_EFFECTS: dict[type, Callable[..., None]] = {
+    m.Admit: Backend._admit,
+    m.Park: Backend._park,
+    m.Refuse: Backend._refuse,
+    m.Wake: Backend._wake,
+    m.FailParked: Backend._fail_parked,
+    m.Spawn: Backend._spawn,
+    m.Abort: Backend._abort_start,
+    m.Terminate: Backend._terminate,
+    m.Reap: Backend._reap,
+    m.Watch: Backend._watch,
+    m.Arm: Backend._arm,
+    m.Disarm: Backend._disarm,
+    m.Notify: Backend._notify,
+    m.Blame: Backend._blame,
+    m.Swap: Backend._swap,
+    m.GiveUp: Backend._give_up,
+    m.FollowUp: Backend._follow_up,
+}

@@ -1,20 +1,23 @@
-"""The owner of every backend of one router: adds, finds, removes, and shuts them all down."""
+"""The owner of every backend of one router: adds, finds, removes, makes room, shuts them all down."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 from procman.address import AddressAllocator
 from procman.backend import Backend
+from procman.errors import BackendUnavailable
 from procman.prober import HttpProber, Prober
+from procman.room import Member, Scope, victims
 from procman.runtime import Listener, Runtime, Sleep
 from procman.spawner import Spawner, SubprocessSpawner
 from procman.spec import BackendSpec
+from procman.states import State
 
 __all__ = ["ProcessManager"]
 
@@ -22,14 +25,20 @@ log = logging.getLogger(__name__)
 
 #: Extra seconds a shutdown grants beyond the longest stop_timeout_s before it SIGKILLs what is left.
 SHUTDOWN_GRACE_S = 10.0
+#: Retry-After of a start refused because every model of a scope stayed busy.
+BUSY_RETRY_AFTER_S = 5.0
+
+Scopes = Callable[[str], Sequence[Scope]]
 
 
 class ProcessManager:
     """Backends by name, sharing one runtime directory, address allocator, spawner, prober and clock.
 
-    ``runtime_dir`` holds ``sockets/`` (mode 0700) and ``logs/<name>.log``. ``before_start``
-    runs under a backend's lock right before a start from STOPPED or BACKOFF spawns (the
-    router evicts idle models there); raising BackendUnavailable cancels that start.
+    ``runtime_dir`` holds ``sockets/`` (mode 0700) and ``logs/<name>.log``. ``scopes(name)``
+    says which limits a backend's start must fit (``max_loaded_models``, groups): before a
+    start from no process the backend awaits :meth:`make_room`, which stops idle backends
+    (least recently used first) and waits for them to exit. ``before_start`` replaces that
+    step (tests); raising BackendUnavailable there refuses the start.
     """
 
     def __init__(
@@ -43,6 +52,7 @@ class ProcessManager:
         sleep: Sleep = asyncio.sleep,
         listener: Listener | None = None,
         before_start: Callable[[Backend], Awaitable[None]] | None = None,
+        scopes: Scopes | None = None,
         log_lines: int = 1000,
     ) -> None:
         self.runtime_dir = Path(runtime_dir).absolute()
@@ -54,20 +64,36 @@ class ProcessManager:
             clock=clock,
             sleep=sleep,
             log_dir=self.runtime_dir / "logs",
-            listener=listener,
-            before_start=before_start,
+            listeners=[listener] if listener is not None else [],
+            before_start=before_start or self._reserve,
+            on_change=self._changed,
             log_lines=log_lines,
         )
+        self.scopes = scopes
         self._backends: dict[str, Backend] = {}
         self.backends: Mapping[str, Backend] = MappingProxyType(self._backends)
+        self._holding: set[str] = set()  # granted room, process not yet gone
+        self._evicting: set[str] = set()
+        self._change = asyncio.Event()
+
+    # -- listeners ------------------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """Observe every backend's transitions, starts, restarts and stops (see :class:`Listener`)."""
+        self._runtime.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        if listener in self._runtime.listeners:
+            self._runtime.listeners.remove(listener)
 
     @property
     def listener(self) -> Listener | None:
-        return self._runtime.listener
+        """The first listener (the one given to the constructor)."""
+        return self._runtime.listeners[0] if self._runtime.listeners else None
 
     @listener.setter
     def listener(self, listener: Listener | None) -> None:
-        self._runtime.listener = listener
+        self._runtime.listeners[:1] = [listener] if listener is not None else []
 
     @property
     def before_start(self) -> Callable[[Backend], Awaitable[None]] | None:
@@ -76,6 +102,8 @@ class ProcessManager:
     @before_start.setter
     def before_start(self, hook: Callable[[Backend], Awaitable[None]] | None) -> None:
         self._runtime.before_start = hook
+
+    # -- backends -------------------------------------------------------------------------------
 
     def add(self, spec: BackendSpec) -> Backend:
         """A new, STOPPED backend; its first ``ensure_ready`` starts it."""
@@ -110,3 +138,67 @@ class ProcessManager:
                     backend.kill_now()
                     task.cancel()
         self._runtime.allocator.close()
+
+    # -- room -----------------------------------------------------------------------------------
+
+    def loaded(self) -> list[Member]:
+        """Backends that hold memory or the room granted for their start."""
+        members = []
+        for name in self._holding:
+            backend = self._backends.get(name)
+            if backend is not None:
+                going = name in self._evicting or backend.state is State.STOPPING
+                members.append(Member(name, backend.is_idle(), backend.last_used or 0.0, going))
+        return members
+
+    async def make_room(self, name: str, scopes: Sequence[Scope], timeout_s: float = 180.0) -> None:
+        """Stop least-recently-used idle backends until ``name`` fits every scope, then hold its room.
+
+        Waits (bounded by ``timeout_s``) for victims to exit and for busy backends to become
+        idle, woken by every change of any backend, never by a timer; raises
+        BackendUnavailable when busy backends leave no room in time.
+        """
+        deadline = self._runtime.clock() + timeout_s
+        while True:
+            room = victims(name, self.loaded(), scopes)
+            if room.fits:
+                self._holding.add(name)
+                return
+            for victim in room.stop:
+                self._evict(victim, name)
+            remaining = deadline - self._runtime.clock()
+            if remaining <= 0:
+                scope = room.busy or next(s for s in scopes if s.limit > 0)
+                busy = ", ".join(sorted(m.name for m in self.loaded() if m.name in scope.members))
+                limit = f"{scope.label} allows {scope.limit} loaded model(s)"
+                raise BackendUnavailable(
+                    f"cannot start {name}: {limit} and all are busy ({busy})",
+                    retry_after_s=BUSY_RETRY_AFTER_S,
+                )
+            change = asyncio.ensure_future(self._change.wait())
+            try:
+                await self._runtime.wait_done(change, remaining)
+            finally:
+                change.cancel()
+
+    def _evict(self, victim: str, target: str) -> None:
+        backend = self._backends.get(victim)
+        if backend is None or victim in self._evicting:
+            return
+        log.info("evicting %s (least recently used) to start %s", victim, target)
+        self._evicting.add(victim)
+        task = asyncio.ensure_future(backend.stop("evict"))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _reserve(self, backend: Backend) -> None:
+        scopes = self.scopes(backend.name) if self.scopes is not None else ()
+        await self.make_room(backend.name, scopes, backend.spec.startup_timeout_s)
+
+    def _changed(self, backend: Backend) -> None:
+        if backend.state in (State.STOPPED, State.BACKOFF):
+            self._holding.discard(backend.name)
+            self._evicting.discard(backend.name)
+        elif backend.state is State.READY and not backend.spec.remote:
+            self._holding.add(backend.name)
+        self._change.set()
+        self._change = asyncio.Event()  # the next waiters wait for the next change

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,7 +23,7 @@ from procman.runtime import Runtime
 from procman.spawner import ProcessHandle
 from procman.spec import BackendSpec, substitute
 
-__all__ = ["Aborted", "Running", "child_command", "kill_now", "launch", "terminate", "watch"]
+__all__ = ["Aborted", "Running", "child_command", "kill", "kill_now", "launch", "terminate", "watch"]
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,14 @@ def _quote(message: str, tail: list[str]) -> str:
     return message + "; last log lines:\n" + "\n".join(tail)
 
 
-async def watch(rt: Runtime, spec: BackendSpec, running: Running) -> Literal["crash", "hang"]:
-    """Return as soon as the process exits ("crash") or fails ``health_failures`` probes in a row ("hang")."""
+async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Running) -> Literal["crash", "hang"]:
+    """Return as soon as the process exits ("crash") or fails ``health_failures`` probes in a row ("hang").
+
+    ``current()`` gives the settings of each round, so a retune applies to the next probe.
+    """
     failed = 0
     while True:
+        spec = current()
         if await rt.wait_done(running.exited, spec.health_interval_s):
             return "crash"
         probe = asyncio.ensure_future(rt.prober.probe(running.address, spec.health_path, spec.health_timeout_s))
@@ -228,6 +232,21 @@ async def terminate(rt: Runtime, spec: BackendSpec, running: Running, logs: LogB
     code = running.exit_code
     if logs is not None:
         logs.note(f"pid={handle.pid} exited with code {code}")
+    return code
+
+
+async def kill(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
+    """SIGKILL the group at once (a hung or fatally failed process is never asked twice), then reap."""
+    handle = running.handle
+    if handle is None:
+        running.exited.cancel()
+        return None
+    handle.signal_group(signal.SIGKILL)
+    if not await rt.wait_done(running.exited, KILL_REAP_S):
+        log.error("%s pid=%d survived SIGKILL for %gs", spec.name, handle.pid, KILL_REAP_S)
+    code = running.exit_code
+    if logs is not None:
+        logs.note(f"pid={handle.pid} killed, exit code {code}")
     return code
 
 

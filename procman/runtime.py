@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,7 +29,10 @@ Sleep = Callable[[float], Awaitable[Any]]
 
 
 class Listener(Protocol):
-    """Observer of backends (metrics, logging). Every method is optional; errors are logged, not raised."""
+    """Observer of backends (metrics, the event bus, logging). Every method is optional; errors are logged.
+
+    ``backend.snapshot()["reason"]`` names why the last start, stop or restart happened.
+    """
 
     def on_transition(self, backend: Backend, old: State, new: State) -> None: ...
 
@@ -54,19 +57,26 @@ class Runtime:
     clock: Callable[[], float]
     sleep: Sleep
     log_dir: Path
-    listener: Listener | None = None
+    listeners: list[Listener] = field(default_factory=list)
     before_start: Callable[[Backend], Awaitable[None]] | None = None
+    on_change: Callable[[Backend], None] | None = None
     log_lines: int = 1000
 
     def notify(self, method: str, *args: object) -> None:
-        """Call ``listener.<method>(*args)`` when the listener has it; a failing listener is only logged."""
-        callback = getattr(self.listener, method, None)
-        if callback is None:
-            return
-        try:
-            callback(*args)
-        except Exception:
-            log.exception("listener %s failed", method)
+        """Call ``listener.<method>(*args)`` on every listener that has it; a failing listener is only logged."""
+        for listener in self.listeners:
+            callback = getattr(listener, method, None)
+            if callback is None:
+                continue
+            try:
+                callback(*args)
+            except Exception:
+                log.exception("listener %s failed", method)
+
+    def changed(self, backend: Backend) -> None:
+        """A backend handled an event (its state, in-flight count or room may have changed)."""
+        if self.on_change is not None:
+            self.on_change(backend)
 
     async def wait_done(self, future: asyncio.Future[Any], timeout_s: float) -> bool:
         """Whether ``future`` finished within ``timeout_s`` of this runtime's clock (it is never cancelled)."""

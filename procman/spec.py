@@ -1,7 +1,9 @@
 """What to run for one backend and how to supervise it: a plain, frozen, comparable value.
 
 Two equal ``BackendSpec`` values mean "nothing changed" on a config reload, so every field
-is immutable and hashable (``env`` is a :class:`FrozenEnv`, ``argv`` a tuple).
+is immutable and hashable (``env`` is a :class:`FrozenEnv`, ``argv`` a tuple). Two specs
+with the same :attr:`BackendSpec.process_view` differ only in supervision settings, which
+a running process takes without a restart (``Backend.retune``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from procman.machine import Policy
 from procman.policy import RestartPolicy
 
 __all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenEnv", "substitute"]
@@ -104,6 +107,16 @@ class BackendSpec:
                 yield f"{name}: expected a number >= 0, got {getattr(self, name)!r}"
         if self.health_failures < 1:
             yield f"health_failures: expected an integer >= 1, got {self.health_failures!r}"
+
+    @property
+    def process_view(self) -> tuple[object, ...]:
+        """What the process sees: two specs with equal views can share a process (the rest is retuned)."""
+        return (self.argv, self.env, self.cwd, self.url, self.transport)
+
+    @property
+    def tuning(self) -> Policy:
+        """The supervision settings :func:`procman.machine.decide` reads."""
+        return Policy(restart=self.policy, idle_timeout_s=self.idle_timeout_s, drain_timeout_s=self.drain_timeout_s)
 
     @property
     def remote(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ALLOWED", "State"]
+__all__ = ["ALLOWED", "LOADED", "State"]
 
 
 class State(enum.Enum):
@@ -32,6 +32,7 @@ ALLOWED: dict[State, frozenset[State]] = {
             State.READY,  # STARTING -> READY: the health path answered 200
             State.BACKOFF,  # STARTING -> BACKOFF: exited while starting, start timeout, no free address
             State.STOPPING,  # STARTING -> STOPPING: stop/unload/reload/shutdown interrupted the start
+            State.STOPPED,  # STARTING -> STOPPED: refused (no room) or stopped before anything was spawned
         }
     ),
     State.READY: frozenset(
@@ -54,3 +55,6 @@ ALLOWED: dict[State, frozenset[State]] = {
         }
     ),
 }
+
+#: States in which a backend's process (or the room reserved for it) holds memory.
+LOADED = frozenset({State.STARTING, State.READY, State.STOPPING})

@@ -20,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.types import Message, Receive, Send
 
-from procman import BackendUnavailable, InBackoff, Lease, State
+from procman import BackendUnavailable, InBackoff, Lease
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
 from router.httpclient import UpstreamError, UpstreamResponse, UpstreamTimeout
 from router.registry import Model
@@ -152,14 +151,9 @@ async def _backend_failed(
 
 
 async def _wait_replaced(model: Model, lease: Lease) -> bool:
-    """Whether the process behind ``lease`` is gone (procman notices exits at once)."""
-    deadline = time.monotonic() + DEATH_GRACE_S
-    while time.monotonic() < deadline:
-        backend = model.backend
-        if backend.generation != lease.generation or backend.pid != lease.pid or backend.state is not State.READY:
-            return True
-        await asyncio.sleep(0.02)
-    return False
+    """Whether the process behind ``lease`` is gone: its exit future completes within ``DEATH_GRACE_S``."""
+    await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
+    return lease.exited.done()
 
 
 async def _fatal(

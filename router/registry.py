@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from modelserver.spec import ModelSpec
-from procman import Backend, BackendUnavailable, ProcessManager, State
+from procman import LOADED, Backend, BackendUnavailable, ProcessManager, Scope, State
 from router.config import Config
 from router.launch import backend_spec
 from router.limits import Limiter
@@ -26,9 +25,6 @@ __all__ = ["Model", "Registry"]
 
 log = logging.getLogger(__name__)
 
-#: States in which a model's process holds memory.
-LOADED = frozenset({State.STARTING, State.READY, State.STOPPING})
-ROOM_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -36,7 +32,6 @@ class Model:
     spec: ModelSpec
     backend: Backend
     limiter: Limiter
-    updating: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class Registry:
@@ -49,13 +44,11 @@ class Registry:
             Path(config.router.state_dir),
             port_range=config.router.port_range,
             listener=self,
-            before_start=self._make_room,
+            scopes=self._scopes,
         )
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
         self.max_body_bytes = 1 << 20
-        self._room = asyncio.Lock()
-        self._reserved: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         for spec in config.models.values():
             self._add(spec)
@@ -136,60 +129,26 @@ class Registry:
             log.info("%s changed: restarting after its in-flight requests finish", spec.name)
             self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
 
-    # -- eviction (procman calls this under the backend's lock, right before a cold start) ----
+    # -- room: which limits a model's start must fit (procman's make_room carries them out) ---------
 
-    def _scopes(self, backend: Backend) -> list[tuple[str, int, list[Backend]]]:
-        scopes = []
-        everyone = [m.backend for m in self.models.values()]
-        if self.config.router.max_loaded_models:
-            scopes.append(("all models", self.config.router.max_loaded_models, everyone))
-        model = self.models.get(backend.name)
-        group = model.spec.group if model else None
-        if group is not None and self.config.groups[group].max_loaded:
-            members = [m.backend for m in self.models.values() if m.spec.group == group]
-            scopes.append((f"group {group!r}", self.config.groups[group].max_loaded, members))
-        return scopes
-
-    def _loaded(self, members: list[Backend], exclude: Backend) -> list[Backend]:
-        return [
-            b for b in members
-            if b is not exclude and b.spec.url is None and (b.state in LOADED or b.name in self._reserved)
-        ]
-
-    async def _make_room(self, backend: Backend) -> None:
-        """Stop least-recently-used idle models until ``backend`` fits every scope it is in.
-
-        A busy model is never stopped to make room: the start waits (bounded by the model's
-        ``startup_timeout_s``) for one to become idle, then fails with a clear reason."""
-        model = self.models.get(backend.name)
+    def _scopes(self, name: str) -> list[Scope]:
+        model = self.models.get(name)
         if model is None or model.spec.url is not None:  # a remote backend holds no memory here
-            return
-        deadline = time.monotonic() + model.spec.startup_timeout_s
-        async with self._room:
-            for label, limit, members in self._scopes(backend):
-                await self._fit(backend, label, limit, members, deadline)
-            self._reserved.add(backend.name)
-
-    async def _fit(self, backend: Backend, label: str, limit: int, members: list[Backend], deadline: float) -> None:
-        while len(loaded := self._loaded(members, backend)) >= limit:
-            idle = sorted((b for b in loaded if b.is_idle()), key=lambda b: b.last_used or 0.0)
-            if idle:
-                log.info("evicting %s (least recently used) to start %s in %s", idle[0].name, backend.name, label)
-                await idle[0].stop("evict")
-                continue
-            if time.monotonic() >= deadline:
-                busy = ", ".join(b.name for b in loaded)
-                raise BackendUnavailable(
-                    f"cannot start {backend.name}: {label} allows {limit} loaded model(s) and all are busy ({busy})",
-                    retry_after_s=5.0,
-                )
-            await asyncio.sleep(ROOM_POLL_S)
+            return []
+        local = [m for m in self.models.values() if m.spec.url is None]
+        scopes = []
+        if self.config.router.max_loaded_models:
+            everyone = frozenset(m.spec.name for m in local)
+            scopes.append(Scope("all models", self.config.router.max_loaded_models, everyone))
+        group = model.spec.group
+        if group is not None and self.config.groups[group].max_loaded:
+            members = frozenset(m.spec.name for m in local if m.spec.group == group)
+            scopes.append(Scope(f"group {group!r}", self.config.groups[group].max_loaded, members))
+        return scopes
 
     # -- procman Listener ------------------------------------------------------------------------
 
     def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        if old is State.STOPPED and new is State.STARTING:
-            self._reserved.discard(backend.name)
         if backend.name not in self.models:
             return
         self.metrics.loaded.labels(backend.name).set(1 if new in LOADED else 0)
@@ -197,7 +156,6 @@ class Registry:
             self.metrics.state.labels(backend.name, state.name.lower()).set(1 if state is new else 0)
 
     def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self._reserved.discard(backend.name)
         self.metrics.starts.labels(backend.name, reason, "ok" if ok else "failed").inc()
         if ok:
             self.metrics.cold_start.labels(backend.name).observe(duration_s)

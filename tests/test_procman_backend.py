@@ -188,10 +188,10 @@ async def test_before_start_runs_once_per_cold_start(h: Harness) -> None:
     await backend.ensure_ready()
     async with backend.request():
         pass
-    assert calls == [State.STOPPED]
+    assert calls == [State.STARTING]  # room is made after STOPPED -> STARTING, before the spawn
     await backend.stop()
     await backend.ensure_ready()
-    assert calls == [State.STOPPED, State.STOPPED]
+    assert calls == [State.STARTING, State.STARTING]
 
 
 # -- failures and backoff ---------------------------------------------------------------
@@ -292,9 +292,7 @@ async def test_hang_is_killed_and_relaunched_after_n_failed_probes(h: Harness) -
     await h.clock.advance(29.0)
     assert backend.pid == hung.pid
     await h.clock.advance(1.0)  # third failed probe
-    assert backend.state is State.STOPPING
-    await h.clock.advance(5.0)
-    assert hung.signals[:2] == [signal.SIGTERM, signal.SIGKILL] and not hung.alive
+    assert hung.signals == [signal.SIGKILL] and not hung.alive  # a hung process is never asked politely
     assert backend.state is State.READY and backend.pid != hung.pid
     assert h.recorder.restarts == [("m", "hang")] and h.recorder.starts[-1] == ("m", "hang", True)
     assert f"pid={hung.pid} was killed: /health failed 3 probes in a row" in (backend.last_error or "")

@@ -1,0 +1,595 @@
+"""The decisions of one supervised backend, as one pure function.
+
+``decide(state, event, counters, policy, now) -> Decision(state, counters, effects)`` says
+what a backend does when something happens: a caller wants a ready process, a stop, a
+restart or a reload is asked for, a start ends, the process exits or stops answering, a
+timer fires. It does no I/O, awaits nothing and reads no clock (``now`` is an argument),
+so every edge is tested as a row of a table. :class:`procman.backend.Backend` feeds it
+events from one owner task and carries out the effects (spawn, terminate, kill, timers,
+answers to callers, listener calls).
+
+Failure counting, the stability reset and the backoff live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NamedTuple
+
+from procman.policy import RestartPolicy, backoff_delay
+from procman.states import State
+
+__all__ = [
+    "FAILURE_REASONS",
+    "Abort",
+    "Admit",
+    "Arm",
+    "Blame",
+    "Close",
+    "Counters",
+    "Decision",
+    "Disarm",
+    "Done",
+    "DrainTimeout",
+    "Effect",
+    "Event",
+    "Exited",
+    "FailParked",
+    "FollowUp",
+    "GiveUp",
+    "Hung",
+    "IdleTick",
+    "Notify",
+    "Park",
+    "Policy",
+    "Reap",
+    "Reaped",
+    "Refuse",
+    "Restart",
+    "RetryDue",
+    "Retune",
+    "Spawn",
+    "Started",
+    "Stop",
+    "Swap",
+    "Terminate",
+    "Update",
+    "Wake",
+    "Want",
+    "Watch",
+    "decide",
+    "failures_now",
+]
+
+#: Restart reasons that count as a failure of the backend (they feed the backoff).
+FAILURE_REASONS = frozenset({"crash", "hang", "fatal"})
+
+S = State
+Then = Literal["stop", "start", "fail"]
+Timer = Literal["idle", "retry", "drain"]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The supervision settings ``decide`` reads (all of them can change without a restart)."""
+
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    idle_timeout_s: float = 0.0  # 0 = never stop for idleness
+    drain_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Everything ``decide`` remembers between events besides the state."""
+
+    failures: int = 0  # consecutive; forgotten after stable_after_s READY (see failures_now)
+    backoff_until: float | None = None  # no start before this clock time
+    ready_at: float | None = None  # clock time the current process became READY
+    idle_since: float = 0.0  # clock time of READY or of the end of the last request
+    in_flight: int = 0  # requests admitted and not done
+    generation: int = 0  # grows with every successful start; names the process
+    then: Then = "stop"  # STOPPING leads to: STOPPED, a new start, or BACKOFF (a failure)
+    reason: str = ""  # of the pending stop, of the start under way, of the last failure
+    draining: bool = False  # READY, a stop/reload waits for the requests in flight
+    wanted: bool = False  # callers are parked: start again once this stop is over
+    auto: bool = False  # nobody waits on this (re)launch: a failure retries in the background
+    abort: str | None = None  # STARTING: the start was interrupted (by: stop, reload, ...)
+    swap: bool = False  # a new spec waits for the process to go
+    closed: bool = False  # removed or shutting down: no start ever again
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """A caller wants a READY process (``count``: and a request counted in flight)."""
+
+    count: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A counted request ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str = "stop"
+    drain: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Stop for good (remove, shutdown)."""
+
+    drain: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Replace the process; with ``generation``, only if that one is still the READY one."""
+
+    reason: str = "manual"
+    generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A new spec that needs a new process (the backend holds it until the old process is gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retune:
+    """New supervision settings, applied to the running process."""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A start ended: ``ok``, ``failed`` (error), ``refused`` (no room, nothing spawned), ``aborted``."""
+
+    outcome: Literal["ok", "failed", "refused", "aborted"]
+    has_process: bool = False  # aborted: a live process is left to terminate
+    payload: Any = field(default=None, compare=False)  # the Running or the error, for the owner
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """The READY process of ``generation`` exited on its own."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Hung:
+    """The READY process of ``generation`` failed ``health_failures`` probes in a row."""
+
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """The process a Terminate was for is gone and its address released."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryDue:
+    """The backoff timer fired."""
+
+
+@dataclass(frozen=True, slots=True)
+class IdleTick:
+    """The idle timer fired."""
+
+
+@dataclass(frozen=True, slots=True)
+class DrainTimeout:
+    """``drain_timeout_s`` passed with requests still in flight."""
+
+
+Event = (
+    Want | Done | Stop | Close | Restart | Update | Retune | Started | Exited | Hung | Reaped | RetryDue | IdleTick
+    | DrainTimeout
+)
+
+
+# -- effects ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Answer the caller of this event with a lease on the READY process."""
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """Keep the caller of this event until the start under way ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Fail the caller of this event: ``backoff`` (InBackoff) or ``closed`` (BackendClosed)."""
+
+    why: Literal["backoff", "closed"]
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Ask again for every parked caller (a process is READY)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FailParked:
+    """Fail every parked caller: the start's error, an interruption (``by``), backoff, closed."""
+
+    why: Literal["failed", "interrupted", "backoff", "closed"]
+    by: str = ""
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Start a process (after making room when ``reserve``: a start from no process at all)."""
+
+    reason: str
+    reserve: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Interrupt the start under way (it ends with Started('aborted'))."""
+
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Terminate:
+    """Stop watching and end the process: SIGTERM, bounded wait, SIGKILL (``graceful``) or SIGKILL at once."""
+
+    graceful: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reap:
+    """The process already exited: kill what it left in its group, release its address (no wait)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watch:
+    """Watch the READY process (its exit, its health) with the current settings."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """(Re)start a timer; it posts IdleTick, RetryDue or DrainTimeout after ``delay_s``."""
+
+    timer: Timer
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Disarm:
+    timer: Timer
+
+
+@dataclass(frozen=True, slots=True)
+class Notify:
+    """Tell the listeners: a start ended (``ok``), a running process is replaced, a stop is done."""
+
+    what: Literal["start", "restart", "stop"]
+    reason: str
+    ok: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Blame:
+    """Record ``last_error`` for a failure of the running process (crash, hang, fatal) or a start."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Swap:
+    """Take the new spec an Update brought."""
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Log that automatic relaunches stop here (``max_retries`` failures)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """Decide on ``event`` right away, as if it had just arrived (one decision, two edges)."""
+
+    event: Event
+
+
+Effect = (
+    Admit | Park | Refuse | Wake | FailParked | Spawn | Abort | Terminate | Reap | Watch | Arm | Disarm | Notify
+    | Blame | Swap | GiveUp | FollowUp
+)
+
+
+class Decision(NamedTuple):
+    state: State
+    counters: Counters
+    effects: tuple[Effect, ...]
+
+
+# -- queries ----------------------------------------------------------------------------------
+
+
+def failures_now(state: State, counters: Counters, policy: Policy, now: float) -> int:
+    """The failure count, forgotten once the process stayed READY for ``stable_after_s``."""
+    c = counters
+    if state is S.READY and c.ready_at is not None and now - c.ready_at >= policy.restart.stable_after_s:
+        return 0
+    return c.failures
+
+
+def backoff_remaining(counters: Counters, now: float) -> float:
+    if counters.backoff_until is None:
+        return 0.0
+    return max(0.0, counters.backoff_until - now)
+
+
+# -- the decision -----------------------------------------------------------------------------
+
+
+def decide(state: State, event: Event, counters: Counters, policy: Policy, now: float) -> Decision:
+    """What ``event`` does to a backend in ``state``: the next state, counters and effects."""
+    handler = _HANDLERS[type(event)]
+    return handler(state, event, counters, policy, now)  # type: ignore[operator]
+
+
+def _same(state: State, c: Counters, *effects: Effect) -> Decision:
+    return Decision(state, c, effects)
+
+
+def _cold_start(c: Counters, reason: str = "cold", *, auto: bool = False) -> Decision:
+    # STOPPED -> STARTING, BACKOFF -> STARTING
+    c = replace(c, reason=reason, auto=auto, abort=None, then="stop")
+    return Decision(S.STARTING, c, (Disarm("retry"), Spawn(reason, reserve=True)))
+
+
+def _on_want(state: State, e: Want, c: Counters, p: Policy, now: float) -> Decision:
+    if c.closed:
+        return _same(state, c, Refuse("closed"))
+    if state is S.READY and not c.draining:
+        return _same(state, replace(c, in_flight=c.in_flight + e.count), Admit())
+    if state in (S.STARTING, S.STOPPING, S.READY):  # a start under way, or a stop to wait out
+        return _same(state, replace(c, wanted=True), Park())
+    if state is S.BACKOFF and (remaining := backoff_remaining(c, now)) > 0:
+        return _same(state, c, Refuse("backoff", remaining))
+    cold = _cold_start(replace(c, wanted=True))
+    return Decision(cold.state, cold.counters, (Park(), *cold.effects))
+
+
+def _on_done(state: State, e: Done, c: Counters, p: Policy, now: float) -> Decision:
+    c = replace(c, in_flight=max(c.in_flight - 1, 0), idle_since=now)
+    if c.in_flight or state is not S.READY:
+        return _same(state, c)
+    if c.draining:  # READY -> STOPPING: the last request of a drain ended
+        return Decision(S.STOPPING, replace(c, draining=False), (Disarm("drain"), Terminate()))
+    return _same(state, c, *_arm_idle(p, p.idle_timeout_s))
+
+
+def _arm_idle(p: Policy, delay_s: float) -> tuple[Effect, ...]:
+    return (Arm("idle", delay_s),) if p.idle_timeout_s > 0 else (Disarm("idle"),)
+
+
+def _stop(state: State, c: Counters, p: Policy, reason: str, drain: bool) -> Decision:
+    if state is S.STOPPED:
+        return _same(state, c)
+    if state is S.BACKOFF:  # BACKOFF -> STOPPED: the pending relaunch is cancelled
+        c = replace(c, auto=False)
+        return Decision(S.STOPPED, c, (Disarm("retry"), Notify("stop", reason)))
+    if state is S.STARTING:  # the start ends with Started('aborted'): STARTING -> STOPPING -> STOPPED
+        c = replace(c, abort=reason, then="stop", reason=reason, wanted=False, auto=False)
+        return _same(state, c, Abort(reason), FailParked("interrupted", by=reason))
+    if state is S.STOPPING:
+        return _same(state, replace(c, then="stop", reason=reason))
+    if drain and c.in_flight:  # READY, draining: Done or DrainTimeout moves on
+        c = replace(c, draining=True, then="stop", reason=reason)
+        return _same(state, c, Arm("drain", p.drain_timeout_s), Disarm("idle"))
+    # READY -> STOPPING
+    return Decision(S.STOPPING, replace(c, draining=False, then="stop", reason=reason), (Disarm("drain"), Terminate()))
+
+
+def _on_stop(state: State, e: Stop, c: Counters, p: Policy, now: float) -> Decision:
+    return _stop(state, c, p, e.reason, e.drain)
+
+
+def _on_close(state: State, e: Close, c: Counters, p: Policy, now: float) -> Decision:
+    d = _stop(state, replace(c, closed=True), p, "remove" if e.drain else "shutdown", e.drain)
+    return Decision(d.state, d.counters, (*d.effects, FailParked("closed")))
+
+
+def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) -> Decision:
+    if c.closed:
+        return _same(state, c)
+    if e.generation is not None and (e.generation != c.generation or state is not S.READY):
+        return _same(state, c)  # that process is gone already: someone else restarted it
+    if state is S.READY and e.reason in FAILURE_REASONS:
+        return _fault(c, e.reason, p, now)
+    if state is S.READY:  # READY -> STOPPING, then STOPPING -> STARTING: a replacement, no failure
+        c = replace(c, then="start", reason=e.reason, draining=False)
+        return Decision(S.STOPPING, c, (Notify("restart", e.reason), Disarm("drain"), Terminate()))
+    if state in (S.STOPPED, S.BACKOFF):
+        return _cold_start(c, e.reason, auto=True)
+    if state is S.STOPPING and c.then == "stop":
+        return _same(state, replace(c, then="start", reason=e.reason))
+    return _same(state, c)  # STARTING: the start under way is the answer
+
+
+def _fault(c: Counters, reason: str, p: Policy, now: float) -> Decision:
+    """READY -> STOPPING: a hung or fatally failed process is SIGKILLed at once; BACKOFF follows (a failure)."""
+    failures = failures_now(S.READY, c, p, now) + 1
+    intent = c.then if c.draining else "fail"
+    c = replace(c, failures=failures, then="fail", reason=reason, ready_at=None, draining=False)
+    effects: tuple[Effect, ...] = (Notify("restart", reason), Blame(reason), Disarm("drain"), Disarm("idle"))
+    if intent == "stop":  # a stop was draining: it still ends in STOPPED
+        c = replace(c, then="stop")
+    return Decision(S.STOPPING, c, (*effects, Terminate(graceful=False)))
+
+
+def _on_hung(state: State, e: Hung, c: Counters, p: Policy, now: float) -> Decision:
+    return _on_restart(state, Restart("hang", e.generation), c, p, now)
+
+
+def _on_exited(state: State, e: Exited, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.READY or e.generation != c.generation:
+        return _same(state, c)
+    # READY -> BACKOFF: the process is gone already, nothing to stop
+    failures = failures_now(state, c, p, now) + 1
+    pending_stop, stop_reason = c.draining and c.then == "stop", c.reason or "stop"
+    c = replace(c, failures=failures, backoff_until=now + backoff_delay(failures, p.restart), reason="crash",
+                ready_at=None, draining=False, then="stop", auto=not pending_stop)
+    effects = (Notify("restart", "crash"), Blame("crash"), Reap(), Disarm("drain"), Disarm("idle"))
+    if pending_stop:
+        return Decision(S.BACKOFF, c, (*effects, FollowUp(Stop(stop_reason, drain=False))))
+    if c.swap:
+        return Decision(S.BACKOFF, c, (*effects, FollowUp(Update())))
+    return Decision(S.BACKOFF, c, (*effects, *_recover(c, p)))
+
+
+def _recover(c: Counters, p: Policy) -> tuple[Effect, ...]:
+    """In BACKOFF after a failure nobody waits on: relaunch now, later (a timer), or give up."""
+    if c.failures > p.restart.max_retries:
+        return (GiveUp(),)
+    delay = backoff_delay(c.failures, p.restart)
+    return (FollowUp(RetryDue()),) if delay <= 0 else (Arm("retry", delay),)
+
+
+def _on_reaped(state: State, e: Reaped, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.STOPPING:
+        return _same(state, c)
+    c = replace(c, ready_at=None, draining=False)
+    swap: tuple[Effect, ...] = ()
+    if c.swap:
+        swap = (Swap(),)
+        c = replace(c, swap=False, failures=0, backoff_until=None, then="start" if c.then == "fail" else c.then)
+    if c.then == "start" and not c.closed:  # STOPPING -> STARTING: keeps its room
+        c = replace(c, auto=True, abort=None)
+        return Decision(S.STARTING, c, (*swap, Spawn(c.reason, reserve=False)))
+    if c.then == "fail" and not c.closed:  # STOPPING -> BACKOFF
+        c = replace(c, backoff_until=now + backoff_delay(c.failures, p.restart), auto=True)
+        recover = _recover(c, p)
+        park = (FailParked("backoff", retry_after_s=backoff_remaining(c, now)),) if c.wanted and not (
+            recover and isinstance(recover[0], FollowUp)) else ()
+        return Decision(S.BACKOFF, replace(c, wanted=c.wanted and not park), (*swap, *park, *recover))
+    # STOPPING -> STOPPED
+    again: tuple[Effect, ...] = (FollowUp(Want()),) if c.wanted and not c.closed else ()
+    return Decision(S.STOPPED, replace(c, wanted=False, auto=False), (*swap, Notify("stop", c.reason), *again))
+
+
+def _on_started(state: State, e: Started, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.STARTING:
+        return _same(state, c)
+    if e.outcome == "ok" and c.abort is None:  # STARTING -> READY
+        c = replace(c, generation=c.generation + 1, ready_at=now, idle_since=now, wanted=False, then="stop")
+        effects = (Notify("start", c.reason), Watch(), *_arm_idle(p, p.idle_timeout_s), Wake())
+        return Decision(S.READY, c, effects)
+    if e.outcome == "ok" or (e.outcome == "aborted" and e.has_process):  # STARTING -> STOPPING
+        then: Then = "start" if c.abort == "reload" else "stop"
+        return Decision(S.STOPPING, replace(c, then=then, reason=c.abort or c.reason), (Terminate(),))
+    if e.outcome == "aborted":  # nothing was spawned yet
+        return _aborted_early(c)
+    if e.outcome == "refused":  # STARTING -> STOPPED / BACKOFF: no room, nothing spawned, no failure counted
+        back = S.BACKOFF if c.failures else S.STOPPED
+        return Decision(back, replace(c, wanted=False, auto=False), (FailParked("failed"),))
+    return _start_failed(c, p, now)
+
+
+def _aborted_early(c: Counters) -> Decision:
+    if c.abort == "reload" and not c.closed:  # a reload's start of the new spec; stays STARTING
+        c = replace(c, swap=False, failures=0, backoff_until=None, abort=None, reason="reload", auto=True)
+        return Decision(S.STARTING, c, (Swap(), Spawn("reload", reserve=True)))
+    c = replace(c, abort=None, wanted=False, auto=False)  # STARTING -> STOPPED
+    swap: tuple[Effect, ...] = (Swap(),) if c.swap else ()
+    return Decision(S.STOPPED, replace(c, swap=False), (*swap, Notify("stop", c.reason)))
+
+
+def _start_failed(c: Counters, p: Policy, now: float) -> Decision:
+    # STARTING -> BACKOFF: a failure; a relaunch nobody waited on retries in the background
+    failures = c.failures + 1
+    delay = backoff_delay(failures, p.restart)
+    c = replace(c, failures=failures, backoff_until=now + delay, wanted=False)
+    effects: tuple[Effect, ...] = (Notify("start", c.reason, ok=False), Blame("start"),
+                                   FailParked("failed", retry_after_s=delay))
+    if c.abort is not None:  # a stop or reload came while it failed: carry it out now
+        follow = Update() if c.abort == "reload" else Stop(c.abort, drain=False)
+        return Decision(S.BACKOFF, replace(c, abort=None, auto=False), (*effects, FollowUp(follow)))
+    if c.auto:
+        return Decision(S.BACKOFF, c, (*effects, *_recover(c, p)))
+    return Decision(S.BACKOFF, c, effects)  # a cold start's failure: the next request tries again
+
+
+def _on_retry(state: State, e: RetryDue, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.BACKOFF or c.closed or not c.auto or backoff_remaining(c, now) > 0:
+        return _same(state, c)
+    return _cold_start(c, c.reason or "crash", auto=True)  # BACKOFF -> STARTING: the delay is over
+
+
+def _on_idle(state: State, e: IdleTick, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.READY or c.draining or c.in_flight or p.idle_timeout_s <= 0:
+        return _same(state, c)
+    left = c.idle_since + p.idle_timeout_s - now
+    if left > 0:
+        return _same(state, c, Arm("idle", left))
+    # READY -> STOPPING: idle for idle_timeout_s
+    return Decision(S.STOPPING, replace(c, then="stop", reason="idle"), (Terminate(),))
+
+
+def _on_drain_timeout(state: State, e: DrainTimeout, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.READY or not c.draining:
+        return _same(state, c)
+    return Decision(S.STOPPING, replace(c, draining=False), (Terminate(),))  # READY -> STOPPING, drain over
+
+
+def _on_update(state: State, e: Update, c: Counters, p: Policy, now: float) -> Decision:
+    if c.closed:
+        return _same(state, c)
+    fresh = replace(c, failures=0, backoff_until=None)
+    if state is S.STOPPED:
+        return _same(state, fresh, Swap())
+    if state is S.BACKOFF:
+        if c.auto and c.failures <= p.restart.max_retries:  # it was relaunching: BACKOFF -> STARTING, new spec
+            cold = _cold_start(fresh, "reload", auto=True)
+            return Decision(cold.state, cold.counters, (Swap(), *cold.effects))
+        return Decision(S.STOPPED, replace(fresh, auto=False), (Disarm("retry"), Swap(), Notify("stop", "reload")))
+    if state is S.STARTING:  # waiters stay parked: they get the new spec's process
+        return _same(state, replace(c, swap=True, abort="reload"), Abort("reload"))
+    if state is S.STOPPING:
+        return _same(state, replace(c, swap=True))
+    c = replace(c, swap=True, then="start", reason="reload")
+    if c.in_flight:  # READY, draining
+        return _same(state, replace(c, draining=True), Arm("drain", p.drain_timeout_s), Disarm("idle"))
+    return Decision(S.STOPPING, c, (Terminate(),))  # READY -> STOPPING
+
+
+def _on_retune(state: State, e: Retune, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.READY:
+        return _same(state, c)
+    idle = () if c.in_flight or c.draining else _arm_idle(p, c.idle_since + p.idle_timeout_s - now)
+    return _same(state, c, Watch(), *idle)
+
+
+_HANDLERS = {
+    Want: _on_want,
+    Done: _on_done,
+    Stop: _on_stop,
+    Close: _on_close,
+    Restart: _on_restart,
+    Update: _on_update,
+    Retune: _on_retune,
+    Started: _on_started,
+    Exited: _on_exited,
+    Hung: _on_hung,
+    Reaped: _on_reaped,
+    RetryDue: _on_retry,
+    IdleTick: _on_idle,
+    DrainTimeout: _on_drain_timeout,
+}
