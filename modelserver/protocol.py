@@ -12,10 +12,10 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
   ``suffix``, ``best_of`` > 1 and more than one prompt.
 - ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` (``json_object``,
   ``json_schema``) as OpenAI defines them; at most one output constraint per request
-  (``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
-  or a forced ``tool_choice``).
+  (``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``, or a forced
+  ``tool_choice``); ``guided_grammar`` is a 400.
 - Extensions accepted as in vLLM: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-  ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (XGrammar EBNF).
+  ``guided_json``, ``guided_regex``, ``guided_choice``.
 - ``max_tokens`` (or ``max_completion_tokens``) defaults to the model's ``default_max_tokens``;
   ``temperature`` omitted means the model's own generation defaults, ``0`` greedy.
 """
@@ -181,7 +181,7 @@ class ChatCompletionRequest(_Sampling):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
-    guided_grammar: str | None = None
+    guided_grammar: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -192,6 +192,12 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs:
             raise _unsupported(
                 "top_logprobs", "only the chosen token's logprob is available (`logprobs: true`, top_logprobs 0)"
+            )
+        if self.guided_grammar is not None:
+            raise _unsupported(
+                "guided_grammar",
+                "grammars are not accepted (one that fails to compile would fail every request in flight); "
+                "use guided_json, guided_regex or guided_choice",
             )
         self._check_tools()
         wanted = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
@@ -229,7 +235,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 class CompletionRequest(_Sampling):

@@ -18,12 +18,15 @@ without ``properties`` accepts any object. Schemas with anything else (``pattern
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "Constraint",
     "Grammar",
+    "GrammarError",
+    "regex_grammar",
     "TagSpec",
     "ToolGrammar",
     "choice_grammar",
@@ -69,6 +72,14 @@ Constraint = Grammar | ToolGrammar
 
 class Unsupported(Exception):
     """A schema keyword the compact grammar does not cover."""
+
+
+class GrammarError(ValueError):
+    """A schema or regex that XGrammar would refuse; the message says what is wrong.
+
+    Checked before a request reaches the pipeline: XGrammar compiles a request's grammar
+    inside the pipeline's step, where an error fails every request in flight.
+    """
 
 
 # -- JSON schema -> EBNF ----------------------------------------------------------------------
@@ -248,10 +259,78 @@ def schema_grammar(schema: Any) -> str | None:
 
 def json_grammar(schema: Any) -> Grammar:
     """The grammar of a JSON document valid for ``schema`` (compact EBNF where possible)."""
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
     ebnf = schema_grammar(schema)
     if ebnf is not None:
         return Grammar("ebnf", ebnf, schema)
+    check_schema(schema)
     return Grammar("json_schema", json.dumps(schema), schema)
+
+
+_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def check_schema(schema: Any, root: Any = None, where: str = "schema") -> None:
+    """:class:`GrammarError` for what XGrammar's JSON-schema compiler fails on: bad types, patterns, refs."""
+    root = schema if root is None else root
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where}: expected a schema object, got {json.dumps(schema)[:40]}")
+    kinds = schema.get("type", [])
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        if kind not in _TYPES:
+            raise GrammarError(f"{where}.type: {json.dumps(kind)} is not one of {', '.join(sorted(_TYPES))}")
+    if "pattern" in schema:
+        check_regex(schema["pattern"], f"{where}.pattern")
+    if "$ref" in schema:
+        _check_ref(schema["$ref"], root, where)
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or []):
+            check_schema(sub, root, f"{where}.{key}[{i}]")
+    for key in _SUBSCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            check_schema(sub, root, f"{where}.{key}.{name}")
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            check_schema(schema[key], root, f"{where}.{key}")
+
+
+def _check_ref(ref: Any, root: Any, where: str) -> None:
+    node = root
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise GrammarError(f"{where}.$ref: only local references (#/$defs/...) are supported")
+    for part in [p for p in ref[1:].split("/") if p]:
+        if not isinstance(node, dict) or part not in node:
+            raise GrammarError(f"{where}.$ref: {ref} does not resolve in this schema")
+        node = node[part]
+
+
+_REGEX_UNSUPPORTED = re.compile(r"\\[1-9]|\\k<|\(\?(?:=|!|<=|<!|P|<[A-Za-z])")
+
+
+def check_regex(pattern: Any, where: str = "regex") -> None:
+    """:class:`GrammarError` unless ``pattern`` is a regex XGrammar compiles (no lookaround, backreference,
+    named group or empty alternative)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"{where}: expected a non-empty regular expression")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise GrammarError(f"{where}: not a valid regular expression: {exc}") from None
+    unescaped = re.sub(r"\\.", "_", pattern)
+    if _REGEX_UNSUPPORTED.search(pattern) or re.search(r"(^\||\|$|\(\||\|\)|\|\|)", unescaped):
+        raise GrammarError(
+            f"{where}: lookarounds, backreferences, named groups and empty alternatives are not supported"
+        )
+
+
+def regex_grammar(pattern: str) -> Grammar:
+    check_regex(pattern)
+    return Grammar("regex", pattern)
 
 
 def choice_grammar(choices: list[str]) -> Grammar:

@@ -173,3 +173,24 @@ async def test_every_error_has_a_param_key(http: httpx.AsyncClient) -> None:
     response = await http.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert assert_error(response, 400, "not valid JSON")["param"] is None
     assert assert_error(await http.get("/v1/nowhere"), 404)["param"] is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "needle"),
+    [
+        ({"guided_regex": "(?=a)b"}, "guided_regex", "lookarounds"),
+        ({"guided_regex": "(a|b"}, "guided_regex", "not a valid regular expression"),
+        ({"guided_json": {"type": "strin"}}, "guided_json", '"strin" is not one of'),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"d": {"type": "string", "pattern": "([a-"}}}}}},
+         "response_format", "schema.properties.d.pattern"),
+        ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", "guided_json, guided_regex or guided_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/nowhere"}}}],
+          "tool_choice": "required"}, "tools", "does not resolve"),
+    ],
+)
+async def test_constraints_xgrammar_would_refuse_are_400_before_the_pipeline(
+    http: httpx.AsyncClient, extra: dict[str, Any], param: str, needle: str
+) -> None:
+    response = await http.post("/v1/chat/completions", json={"messages": ASK, **extra})
+    assert assert_error(response, 400, needle)["param"] == param

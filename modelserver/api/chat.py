@@ -53,7 +53,14 @@ from modelserver.protocol import (
     ToolCallIn,
     usage,
 )
-from modelserver.structured import Constraint, Grammar, choice_grammar, json_grammar, tool_call_grammar
+from modelserver.structured import (
+    Constraint,
+    GrammarError,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+    tool_call_grammar,
+)
 from modelserver.textstream import StopMatcher
 from modelserver.tools import ToolStreamSplitter, parse_tool_calls
 
@@ -121,6 +128,17 @@ def sampling(body: Body, default_max_tokens: int) -> SamplingParams:
 
 
 def _output_constraint(body: ChatCompletionRequest) -> Constraint | None:
+    try:
+        return _constraint_of(body)
+    except GrammarError as exc:
+        param = next(name for name in _CONSTRAINT_FIELDS if getattr(body, name) is not None)
+        raise RequestError(f"{param}: {exc}", param=param) from None
+
+
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _constraint_of(body: ChatCompletionRequest) -> Constraint | None:
     """``response_format`` or one of the vLLM-style ``guided_*`` fields (validated: at most one)."""
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -136,11 +154,9 @@ def _output_constraint(body: ChatCompletionRequest) -> Constraint | None:
                 raise RequestError("guided_json: not a valid JSON schema", param="guided_json") from None
         return json_grammar(schema)
     if body.guided_regex is not None:
-        return Grammar("regex", body.guided_regex)
+        return regex_grammar(body.guided_regex)
     if body.guided_choice is not None:
         return choice_grammar(body.guided_choice)
-    if body.guided_grammar is not None:
-        return Grammar("ebnf", body.guided_grammar)
     return None
 
 
@@ -157,11 +173,13 @@ def chat_plan(body: ChatCompletionRequest, parser: str) -> tuple[tuple[dict[str,
         )
     tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ())
     functions = [tool["function"] for tool in tools]
-    if mode == "required":
-        return tools, tool_call_grammar(parser, functions, body.parallel_tool_calls), True
-    if mode != "auto":
-        return tools, tool_call_grammar(parser, [f for f in functions if f["name"] == mode], False), True
-    return tools, _output_constraint(body), True
+    if mode == "auto":
+        return tools, _output_constraint(body), True
+    forced = functions if mode == "required" else [f for f in functions if f["name"] == mode]
+    try:
+        return tools, tool_call_grammar(parser, forced, body.parallel_tool_calls and mode == "required"), True
+    except GrammarError as exc:
+        raise RequestError(f"tools: a function's parameters: {exc}", param="tools") from None
 
 
 class Run:

@@ -21,7 +21,7 @@ Tools and structured output (what router and client tests build on):
   ``tool result: <content>``;
 - ``response_format`` ``json_schema`` / ``guided_json`` answer an example of the schema,
   ``json_object`` answers ``{"text": "<last user message>"}``, ``guided_choice`` the first
-  choice; ``guided_regex`` / ``guided_grammar`` are not honoured (the echo as usual).
+  choice; ``guided_regex`` is not honoured (the echo as usual).
 
 Fake embeddings are a deterministic function of the text: a normalized sum of one
 pseudo-random vector per lower-cased word, so texts sharing words are close.
