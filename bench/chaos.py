@@ -1,0 +1,270 @@
+"""``make chaos``: a bounded soak of the router under faults, with mixed load, that fails on what must never happen.
+
+Load: ``CLIENTS`` clients send streamed and non-streamed chat requests to several fake models
+(and the real demo model unless ``--no-real``) for ``--seconds`` (default 120, at most 300).
+Meanwhile a chaos loop, every ``--every`` seconds, picks one action against the *faulted*
+models: ``kill -9`` of the model process, ``SIGSTOP`` for a few seconds then ``SIGCONT``,
+a request carrying a fault marker (``[[fatal]]``, ``[[crash]]``, ``[[hang]]``, ``[[error]]``),
+a config edit (a changed setting, a model added, the same removed, an invalid file then the
+good one back), ``POST /api/models/NAME/unload`` and ``.../restart``. One model, ``calm``,
+is never touched.
+
+It prints requests ok / failed by cause per model, hung requests (no answer within
+``HUNG_S``), cut streams (ended without ``[DONE]``) and streams ended by an error event, and
+the processes left behind after the router's SIGTERM. It exits 1 on any hung request, any
+cut stream without an error event, any failure of ``calm``, or an orphan process. Marker
+requests are the poison: their own outcome is counted apart and never fails the run.
+
+Traffic goes to 127.0.0.1 only; every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench.procs import Procs
+from bench.realmodel import DEMO_GGUF
+from bench.routerctl import Router, fake_model, router_config, start_router, write_config
+
+log = logging.getLogger("chaos")
+
+CLIENTS = 6
+HUNG_S = 60.0
+FAULTED = ("alpha", "beta")
+MARKERS = ("[[fatal]]", "[[crash]]", "[[hang]]", "[[error]]")
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the clients saw, per model and cause."""
+
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, cause)
+    poison: Counter[str] = field(default_factory=Counter)  # marker requests, by outcome
+    actions: Counter[str] = field(default_factory=Counter)
+    hung: list[str] = field(default_factory=list)
+    cut: list[str] = field(default_factory=list)
+
+    def add(self, model: str, cause: str) -> None:
+        self.outcomes[(model, cause)] += 1
+
+
+def models(real: bool) -> dict[str, Any]:
+    chosen: dict[str, Any] = {
+        "alpha": fake_model(load_s=0.3, token_delay_s=0.01),
+        "beta": fake_model(load_s=0.3, token_delay_s=0.01),
+        "calm": fake_model(load_s=0.3, token_delay_s=0.01),
+    }
+    if real and DEMO_GGUF.exists():
+        chosen["smollm2"] = {"task": "llm", "path": str(DEMO_GGUF), "save_ov_model": True, "max_concurrency": 4}
+    return chosen
+
+
+def chat(model: str, text: str, stream: bool) -> dict[str, Any]:
+    return {"model": model, "stream": stream, "max_tokens": 12,
+            "messages": [{"role": "user", "content": text}]}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    """The cause of one request's outcome: ``ok``, ``http <status>``, ``error event``, ``cut``, ``hung``, ``conn``."""
+    try:
+        async with asyncio.timeout(HUNG_S), session.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                return f"http {resp.status}"
+            if not body["stream"]:
+                await resp.json()
+                return "ok"
+            return await read_stream(resp)
+    except TimeoutError:
+        return "hung"
+    except (aiohttp.ClientError, ValueError):
+        return "conn"
+
+
+async def read_stream(resp: aiohttp.ClientResponse) -> str:
+    errored = False
+    async for raw in resp.content:
+        line = raw.decode(errors="replace").strip()
+        if line == "data: [DONE]":
+            return "error event" if errored else "ok"
+        if line.startswith("data: ") and '"error"' in line:
+            errored = True
+    return "error event" if errored else "cut"
+
+
+async def client_loop(session: aiohttp.ClientSession, url: str, names: list[str], until: float,
+                      tally: Tally, rng: random.Random) -> None:
+    while time.monotonic() < until:
+        model = rng.choice(names)
+        stream = rng.random() < 0.5
+        cause = await one_request(session, url, chat(model, f"hello from a client {rng.randint(1, 999)}", stream))
+        tally.add(model, cause)
+        if cause == "hung":
+            tally.hung.append(f"{model} stream={stream}")
+        if cause == "cut":
+            tally.cut.append(f"{model} stream={stream}")
+
+
+def signal_model(router: Router, name: str, sig: signal.Signals) -> bool:
+    pid = router.pid(name)
+    if pid is None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+        return True
+    return False
+
+
+class Chaos:
+    """The chaos loop's actions; each returns quickly except SIGSTOP (held a few seconds)."""
+
+    def __init__(self, router: Router, config: dict[str, Any], session: aiohttp.ClientSession, tally: Tally,
+                 rng: random.Random) -> None:
+        self.router, self.config, self.session, self.tally, self.rng = router, config, session, tally, rng
+        self.pending: set[asyncio.Task[None]] = set()
+
+    async def act(self) -> None:
+        action = self.rng.choice(["kill", "stop", "marker", "marker", "edit", "unload", "restart"])
+        target = self.rng.choice(FAULTED)
+        self.tally.actions[action] += 1
+        log.info("chaos: %s %s", action, target)
+        await getattr(self, action)(target)
+
+    async def kill(self, name: str) -> None:
+        await asyncio.to_thread(signal_model, self.router, name, signal.SIGKILL)
+
+    async def stop(self, name: str) -> None:
+        pid = await asyncio.to_thread(self.router.pid, name)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(self.rng.uniform(1.0, 6.0))
+            os.kill(pid, signal.SIGCONT)
+
+    async def marker(self, name: str) -> None:
+        body = chat(name, f"poison {self.rng.choice(MARKERS)}", self.rng.random() < 0.5)
+
+        async def send() -> None:
+            self.tally.poison[await one_request(self.session, self.router.url, body)] += 1
+
+        task = asyncio.create_task(send())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def edit(self, name: str) -> None:
+        kind = self.rng.choice(["change", "add", "remove", "invalid"])
+        path = self.router.config_path
+        if kind == "change":
+            self.config["models"][name]["fake"]["token_delay_s"] = self.rng.choice([0.005, 0.01, 0.02])
+        elif kind == "add":
+            self.config["models"]["extra"] = fake_model(load_s=0.2)
+        elif kind == "remove":
+            self.config["models"].pop("extra", None)
+        if kind == "invalid":
+            path.write_text("models: {broken: [", encoding="utf-8")
+            await asyncio.sleep(1.5)
+        write_config(path, self.config)
+
+    async def unload(self, name: str) -> None:
+        await asyncio.to_thread(self.router.post, f"/api/models/{name}/unload", None, 30)
+
+    async def restart(self, name: str) -> None:
+        await asyncio.to_thread(self.router.post, f"/api/models/{name}/restart", None, 30)
+
+
+async def soak(router: Router, config: dict[str, Any], seconds: float, every_s: float, seed: int) -> Tally:
+    rng, tally = random.Random(seed), Tally()
+    names = [name for name in config["models"] if name != "extra"]
+    until = time.monotonic() + seconds
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        chaos = Chaos(router, config, session, tally, rng)
+        clients = [asyncio.create_task(client_loop(session, router.url, names, until, tally,
+                                                   random.Random(seed + i))) for i in range(CLIENTS)]
+        while time.monotonic() < until - every_s:
+            await asyncio.sleep(every_s)
+            await chaos.act()
+        await asyncio.gather(*clients, *chaos.pending)
+    return tally
+
+
+def model_processes(state_dir: Path) -> list[psutil.Process]:
+    """Processes whose command line names this run's state directory (model servers, wrappers)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
+        with contextlib.suppress(psutil.Error):
+            text = " ".join(proc.info["cmdline"] or []) + json.dumps(proc.info.get("environ") or {})
+            if str(state_dir) in text and proc.pid != os.getpid():
+                found.append(proc)
+    return found
+
+
+def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[str]:
+    """Print the figures; the list of reasons the run fails (empty: passed)."""
+    print(f"\nchaos soak: {seconds:.0f} s, {CLIENTS} clients; actions: {dict(tally.actions)}")
+    print(f"{'model':<10} {'cause':<14} {'requests':>8}")
+    for (model, cause), count in sorted(tally.outcomes.items()):
+        print(f"{model:<10} {cause:<14} {count:>8}")
+    print(f"poison (marker) requests: {dict(tally.poison)}")
+    print(f"hung: {len(tally.hung)}  cut streams without an error event: {len(tally.cut)}  orphans: {len(orphans)}")
+    reasons = []
+    if tally.hung or tally.poison.get("hung"):
+        reasons.append(f"{len(tally.hung) + tally.poison.get('hung', 0)} hung request(s): {tally.hung[:5]}")
+    if tally.cut:
+        reasons.append(f"{len(tally.cut)} cut stream(s) without an error event: {tally.cut[:5]}")
+    calm_failed = sum(count for (model, cause), count in tally.outcomes.items() if model == "calm" and cause != "ok")
+    if calm_failed:
+        reasons.append(f"{calm_failed} failed request(s) to the untouched model `calm`")
+    if orphans:
+        reasons.append(f"orphan processes: {[(p.pid, p.info['cmdline'][:4]) for p in orphans]}")
+    return reasons
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=120.0, help="soak length (at most 300)")
+    parser.add_argument("--every", type=float, default=2.0, help="seconds between chaos actions")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--no-real", action="store_true", help="fake models only (no real demo model)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    seconds = min(args.seconds, 300.0)
+    with tempfile.TemporaryDirectory(prefix="ovrouter-chaos-") as tmp, Procs(Path(tmp) / "logs") as procs:
+        state_dir = Path(tmp) / "state"
+        config = router_config(state_dir, models(not args.no_real),
+                               {"health_interval_s": 1, "health_failures": 2, "request_timeout_s": 50})
+        router = start_router(procs, Path(tmp), config)
+        tally = asyncio.run(soak(router, config, seconds, args.every, args.seed))
+        procs.stop(router.proc, timeout_s=30)
+        time.sleep(1.0)  # a moment for the kernel to deliver PDEATHSIG to the last children
+        orphans = model_processes(state_dir)
+        for proc in orphans:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        reasons = report(tally, orphans, seconds)
+    for reason in reasons:
+        print(f"FAIL: {reason}")
+    print("chaos: " + ("FAILED" if reasons else "passed"))
+    return 1 if reasons else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
