@@ -416,18 +416,19 @@ class ChatShape(_Shape):
     def opening(self, index: int = 0) -> dict[str, Any] | None:
         return self._chunk({"role": "assistant", "content": "", "refusal": None}, None, index)
 
-    def delta(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        chunk = self._chunk({"content": text}, None, index)
-        if logprobs is not None:
-            chunk["choices"][0]["logprobs"] = {"content": logprobs, "refusal": None}
-        return chunk
+    def delta(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, index)
 
     def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
         """One chunk per call, whole: id, name and the complete arguments, as the SDKs assemble them."""
         return self._chunk({"tool_calls": calls}, None, index)
 
-    def closing(self, finish: str, index: int = 0) -> dict[str, Any]:
-        return self._chunk({}, finish, index)
+    def closing(self, finish: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The last chunk of a choice; a stream with ``logprobs`` carries them all here."""
+        chunk = self._chunk({}, finish, index)
+        if logprobs is not None:
+            chunk["choices"][0]["logprobs"] = {"content": logprobs, "refusal": None}
+        return chunk
 
     def _chunk(self, delta: dict[str, Any], finish: str | None, index: int) -> dict[str, Any]:
         return self._envelope(
@@ -448,13 +449,13 @@ class TextShape(_Shape):
     def opening(self, index: int = 0) -> dict[str, Any] | None:
         return None
 
-    def delta(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def delta(self, text: str, index: int = 0) -> dict[str, Any]:
         return self._envelope(self.chunk_object, [self._choice(text, None, index)])
 
     def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
         raise NotImplementedError("completions have no tool calls")
 
-    def closing(self, finish: str, index: int = 0) -> dict[str, Any]:
+    def closing(self, finish: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return self._envelope(self.chunk_object, [self._choice("", finish, index)])
 
     @staticmethod

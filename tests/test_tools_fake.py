@@ -194,3 +194,14 @@ async def test_constraints_xgrammar_would_refuse_are_400_before_the_pipeline(
 ) -> None:
     response = await http.post("/v1/chat/completions", json={"messages": ASK, **extra})
     assert assert_error(response, 400, needle)["param"] == param
+
+
+async def test_logprobs_cover_every_token_streamed_and_not(sdk: openai.AsyncOpenAI) -> None:
+    answer = await sdk.chat.completions.create(model="fake", messages=ASK, logprobs=True)
+    content = answer.choices[0].logprobs.content if answer.choices[0].logprobs else None
+    assert content is not None and "".join(t.token for t in content) == answer.choices[0].message.content
+    assert all(t.logprob == 0.0 and t.top_logprobs == [] and t.bytes == list(t.token.encode()) for t in content)
+    async with sdk.chat.completions.stream(model="fake", messages=ASK, logprobs=True) as stream:
+        final = await stream.get_final_completion()
+    streamed = final.choices[0].logprobs.content if final.choices[0].logprobs else None
+    assert streamed is not None and [t.token for t in streamed] == [t.token for t in content]

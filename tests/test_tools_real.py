@@ -188,3 +188,17 @@ def test_smollm2_without_template_tools_gets_them_in_a_system_message(smollm2: M
     assert_valid_call(calls[0], {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS})
     assert answer.usage is not None and plain.usage is not None
     assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools were described to the model
+
+
+def test_logprobs_are_one_per_generated_token(qwen: ModelServerProcess) -> None:
+    with sdk(qwen) as client:
+        answer = client.chat.completions.create(
+            model="qwen", messages=ASK, logprobs=True, temperature=1.0, seed=4, max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
+    choice = answer.choices[0]
+    entries = choice.logprobs.content if choice.logprobs else None
+    assert answer.usage is not None and entries is not None
+    assert len(entries) == answer.usage.completion_tokens == 8
+    assert all(e.logprob <= 0.0 for e in entries)
+    assert any(e.logprob < 0.0 for e in entries)  # sampled from a real distribution, not a constant

@@ -260,16 +260,16 @@ def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
 
 
 async def _respond(request: Request, body: Body, generation: GenerationRequest, shape: Shape,
-                   parser: str | None = None) -> Response:
+                   parser: str | None = None, logprobs: bool = False) -> Response:
     generator = engine_as(request, TextGenerator)
     note(request, stream=body.stream)
     runs = await _start(request, generator, _copies(generation, body.n), body.stop_strings())
     if body.stream:
-        return SSEResponse(_events(runs, shape, parser, request), lambda: _close(request, runs))
+        return SSEResponse(_events(runs, shape, parser, logprobs, request), lambda: _close(request, runs))
     try:
         with engine_errors(runtime(request)):
             choices = await until_disconnect(
-                request, asyncio.gather(*(_collect(run, i, parser) for i, run in enumerate(runs)))
+                request, asyncio.gather(*(_collect(run, i, parser, logprobs) for i, run in enumerate(runs)))
             )
     except ClientGone:
         return Response(status_code=499)
@@ -278,17 +278,28 @@ async def _respond(request: Request, body: Body, generation: GenerationRequest, 
     return JSONResponse(shape.body(list(choices), _usage(runs)))
 
 
-async def _collect(run: Run, index: int, parser: str | None) -> Choice:
+def logprob_entries(stream: TextStream) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content``: each generated token with its log probability (no alternatives)."""
+    pairs: list[tuple[str, float]] = stream.token_logprobs()  # type: ignore[attr-defined]
+    return [
+        {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+        for token, logprob in pairs
+    ]
+
+
+async def _collect(run: Run, index: int, parser: str | None, logprobs: bool) -> Choice:
     text = "".join([delta async for delta in run.deltas()])
     finish = run.finish or "stop"
+    entries = logprob_entries(run.stream) if logprobs else None
     if parser is None:
-        return Choice(index, text, finish)
+        return Choice(index, text, finish, logprobs=entries)
     parsed = parse_tool_calls(parser, text)
     calls = [call.as_openai() for call in parsed.calls]
-    return Choice(index, parsed.content, "tool_calls" if calls else finish, calls)
+    return Choice(index, parsed.content, "tool_calls" if calls else finish, calls, entries)
 
 
-async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None) -> AsyncIterator[bytes]:
+async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
+                         logprobs: bool) -> AsyncIterator[bytes]:
     if (opening := shape.opening(index)) is not None:
         yield sse(opening)
     splitter = ToolStreamSplitter(parser) if parser is not None else None
@@ -305,7 +316,7 @@ async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None)
         if calls:
             yield sse(shape.tool_calls([{"index": k, **call.as_openai()} for k, call in enumerate(calls)], index))
             finish = "tool_calls"
-    yield sse(shape.closing(finish, index))
+    yield sse(shape.closing(finish, index, logprob_entries(run.stream) if logprobs else None))
 
 
 async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
@@ -336,8 +347,9 @@ async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
                 await task
 
 
-async def _events(runs: list[Run], shape: Shape, parser: str | None, request: Request) -> AsyncIterator[bytes]:
-    streams = [_choice_events(run, i, shape, parser) for i, run in enumerate(runs)]
+async def _events(runs: list[Run], shape: Shape, parser: str | None, logprobs: bool,
+                  request: Request) -> AsyncIterator[bytes]:
+    streams = [_choice_events(run, i, shape, parser, logprobs) for i, run in enumerate(runs)]
     try:
         with engine_errors(runtime(request)):
             async for event in streams[0] if len(streams) == 1 else _merged(streams):
@@ -359,17 +371,17 @@ async def chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     body.refuse_unsupported(spec(request).max_n)
     generator = engine_as(request, TextGenerator)
-    if body.logprobs and not getattr(generator, "logprobs", False):
+    if body.logprobs and not getattr(generator, "reports_logprobs", False):
         raise UnsupportedParameter("logprobs: this engine does not report logprobs", param="logprobs")
     tools, constraint, parse = chat_plan(body, generator.tool_parser)
     generation = GenerationRequest(
         sampling=sampling(body, spec(request).default_max_tokens), messages=chat_turns(body.messages),
-        tools=tools, constraint=constraint,
+        tools=tools, constraint=constraint, logprobs=bool(body.logprobs),
     )
     if tools or constraint is not None:
         note(request, tools=len(tools), constrained=constraint is not None)
     parser = generator.tool_parser if parse else None
-    return await _respond(request, body, generation, shape_for(request, ChatShape, body), parser)
+    return await _respond(request, body, generation, shape_for(request, ChatShape, body), parser, generation.logprobs)
 
 
 async def completions(request: Request) -> Response:

@@ -131,6 +131,11 @@ class FakeStream:
         await self._gen.aclose()  # type: ignore[attr-defined]
         self._settle()
 
+    def token_logprobs(self) -> list[tuple[str, float]]:
+        """Every piece sent is certain: log probability 0."""
+        sent = self._words[: self.completion_tokens]
+        return [(w if i == 0 or self._joined else " " + w, 0.0) for i, w in enumerate(sent)]
+
 
 def _pieces(text: str) -> list[str]:
     """``text`` in word-sized pieces whose concatenation is exactly ``text``."""
@@ -166,6 +171,7 @@ class FakeTextGenerator:
         self._spec = spec
         self._counters = _Counters()
         self.tool_parser = spec.tool_parser or "hermes"
+        self.reports_logprobs = True
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "fake", "task": self._spec.task, "token_delay_s": self._spec.fake.token_delay_s}

@@ -60,6 +60,7 @@ class Ticket:
     tokens: int = 0
     finish: FinishReason | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    logprobs: list[float] | None = None  # each generated token's, when the request asked for them
 
 
 class Pump:
@@ -161,6 +162,8 @@ class Pump:
             return ids
         for output in ticket.handle.read().values():
             ids.extend(output.generated_ids)
+            if ticket.logprobs is not None:
+                ticket.logprobs.extend(output.generated_log_probs)
             ticket.finish = _FINISH.get(output.finish_reason.name, ticket.finish)  # type: ignore[assignment]
         ticket.tokens += len(ids)
         return ids
@@ -195,6 +198,8 @@ class LLMStream:
         self._ticket = ticket
         self._events = events
         self._detokenizer = IncrementalDetokenizer(decode)
+        self._decode = decode
+        self._ids: list[int] = []
         self._gen = self._deltas()
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -208,6 +213,8 @@ class LLMStream:
                     raise event
                 ids, finish = event
                 self.completion_tokens += len(ids)
+                if self._ticket.logprobs is not None:
+                    self._ids.extend(ids)
                 text = self._detokenizer.push(ids)
                 if finish is not None:
                     text += self._detokenizer.flush()
@@ -222,6 +229,10 @@ class LLMStream:
         if self.finish_reason is None:
             self._pump.cancel(self._ticket)
         await self._gen.aclose()  # type: ignore[attr-defined]
+
+    def token_logprobs(self) -> list[tuple[str, float]]:
+        """Each generated token's text and log probability (requests with ``logprobs``)."""
+        return list(zip([self._decode([i]) for i in self._ids], self._ticket.logprobs or (), strict=False))
 
 
 class OpenVINOTextGenerator:
@@ -238,6 +249,7 @@ class OpenVINOTextGenerator:
         self._source = source
         self._load_s = load_s
         self._ids = itertools.count(1)
+        self.reports_logprobs = True
         self._pump = Pump(pipe)
         self._pump.start()
 
@@ -263,6 +275,9 @@ class OpenVINOTextGenerator:
 
     def generate(self, request: GenerationRequest) -> LLMStream:
         ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request), _noop)
+        if request.logprobs:
+            ticket.config.logprobs = 1
+            ticket.logprobs = []
         if int(ticket.input_ids.shape[1]) == 0:
             raise RequestError("the prompt is empty after tokenization", param="messages")
         events: asyncio.Queue[Event] = asyncio.Queue()
