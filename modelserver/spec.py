@@ -22,17 +22,24 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
+    "AUDIENCES",
+    "CHILD_AUDIENCES",
     "DEFAULT_FATAL_PATTERNS",
+    "DEFAULT_SUSPECT_PATTERNS",
     "SPEC_ENV",
     "ConfigError",
     "FakeSpec",
+    "Audience",
     "ModelSpec",
     "Task",
+    "audience_of",
     "build_model_spec",
+    "fields_for",
     "format_errors",
     "load_model_spec",
     "merge_defaults",
     "read_yaml",
+    "restarts_process",
 ]
 
 Task = Literal["llm", "embeddings", "rerank", "transcription", "speech", "vlm"]
@@ -41,12 +48,29 @@ EngineName = Literal["openvino", "fake"]
 #: Environment variable through which the router hands a child the exact spec it validated.
 SPEC_ENV = "OVROUTER_MODEL_SPEC"
 
+#: Engine errors (and last stderr lines of a process that exited non-zero) after which the
+#: device must not be touched again: the process answers, exits, and is replaced. Matched as
+#: case-insensitive substrings. The evidence: OpenVINO's GPU plugin messages after a kernel or
+#: queue failure ("any further OpenCL call may cause the application to hang"), the OpenCL
+#: status names and their numeric codes, Level Zero's device-lost results.
 DEFAULT_FATAL_PATTERNS: tuple[str, ...] = (
     "CL_OUT_OF_RESOURCES",
-    "CL_MEM_OBJECT_ALLOCATION_FAILURE",
+    "error code: -5",
+    "GPU plugin may be unable to finish correctly",
+    "GPU plugin can't finish correctly",
+    "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST",
+    "error code: -14",
+    "CL_INVALID_EVENT",
+    "error code: -58",
     "CL_INVALID_COMMAND_QUEUE",
-    "device lost",
+    "error code: -36",
+    "DEVICE_LOST",
+    "device hung, reset, was removed",
+    "failed with code 1879048193",
 )
+#: Errors that may mean a sick device, or only a request too big for it: each is an ordinary
+#: 500, and the second within a minute replaces the process.
+DEFAULT_SUSPECT_PATTERNS: tuple[str, ...] = ("CL_MEM_OBJECT_ALLOCATION_FAILURE", "could not execute a primitive")
 
 #: Keys of a model that only make sense per model; they are refused in ``defaults``.
 PER_MODEL_KEYS = frozenset({"name", "path", "aliases", "command", "url", "preload", "group"})
@@ -54,6 +78,27 @@ PER_MODEL_KEYS = frozenset({"name", "path", "aliases", "command", "url", "preloa
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+#: Who reads a setting: the model server's engine, the launch of its process, the supervisor
+#: (procman: health, idle, stop, restart policy) or the router (routing, limits, timeouts).
+#: A change of an ``engine`` or ``launch`` setting restarts the model's process; a change of a
+#: ``supervisor`` or ``router`` setting is applied to the running process.
+Audience = Literal["engine", "launch", "supervisor", "router"]
+AUDIENCES: tuple[Audience, ...] = ("engine", "launch", "supervisor", "router")
+#: What the model's process receives (by inclusion: nothing else reaches it).
+CHILD_AUDIENCES: tuple[Audience, ...] = ("engine", "launch")
+
+
+def _field(audience: Audience) -> Any:
+    def field(*args: Any, **kwargs: Any) -> Any:
+        return Field(*args, json_schema_extra={"audience": audience}, **kwargs)
+
+    field.__name__ = f"for_{audience}"
+    return field
+
+
+for_engine, for_launch, for_supervisor, for_router = (_field(a) for a in AUDIENCES)
 
 
 class FakeSpec(_Frozen):
@@ -68,60 +113,71 @@ class FakeSpec(_Frozen):
 class ModelSpec(_Frozen):
     """Everything about one model, after ``defaults`` were merged under it."""
 
-    name: str = Field(..., min_length=1, description="the model's key under `models`")
-    task: Task = Field("llm", description="llm | embeddings | rerank | transcription | speech | vlm")
-    engine: EngineName = Field("openvino", description="openvino | fake")
-    path: str | None = Field(None, description="a .gguf file or an OpenVINO IR folder (relative to the config file)")
-    device: str = Field("CPU", min_length=1, description="OpenVINO device string, passed through (CPU, GPU.0, NPU…)")
-    aliases: tuple[str, ...] = Field((), description="other names that route to this model")
-    preload: bool = Field(False, description="start with the router instead of on the first request")
-    ov_config: dict[str, Any] = Field(default_factory=dict, description="OpenVINO properties, passed through")
-    scheduler: dict[str, Any] = Field(default_factory=dict, description="openvino_genai.SchedulerConfig fields")
-    group: str | None = Field(None, description="a key of `groups` (shared max_loaded)")
-    fake: FakeSpec = Field(default_factory=FakeSpec, description="fake engine settings")
-    save_ov_model: bool = Field(False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it")
-    options: dict[str, Any] = Field(default_factory=dict, description="task-specific engine options")
-    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none")
-    loading_progress: Literal["comments", "reasoning", "off"] = Field(
+    name: str = for_engine(..., min_length=1, description="the model's key under `models`")
+    task: Task = for_engine("llm", description="llm | embeddings | rerank | transcription | speech | vlm")
+    engine: EngineName = for_engine("openvino", description="openvino | fake")
+    path: str | None = for_engine(
+        None, description="a .gguf file or an OpenVINO IR folder (relative to the config file)"
+    )
+    device: str = for_engine(
+        "CPU", min_length=1, description="OpenVINO device string, passed through (CPU, GPU.0, NPU…)"
+    )
+    aliases: tuple[str, ...] = for_router((), description="other names that route to this model")
+    preload: bool = for_router(False, description="start with the router instead of on the first request")
+    ov_config: dict[str, Any] = for_engine(default_factory=dict, description="OpenVINO properties, passed through")
+    scheduler: dict[str, Any] = for_engine(default_factory=dict, description="openvino_genai.SchedulerConfig fields")
+    group: str | None = for_router(None, description="a key of `groups` (shared max_loaded)")
+    fake: FakeSpec = for_engine(default_factory=FakeSpec, description="fake engine settings")
+    save_ov_model: bool = for_engine(
+        False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it"
+    )
+    options: dict[str, Any] = for_engine(default_factory=dict, description="task-specific engine options")
+    default_max_tokens: int = for_engine(512, ge=1, description="max_tokens when a request gives none")
+    loading_progress: Literal["comments", "reasoning", "off"] = for_router(
         "comments", description="a stream waiting on a start gets `: loading` comments (and reasoning_content chunks)"
     )
 
-    command: tuple[str, ...] | None = Field(
+    command: tuple[str, ...] | None = for_launch(
         None, description="launch this OpenAI-compatible server instead; ${PORT} / ${SOCKET} are substituted"
     )
-    url: str | None = Field(None, description="a server elsewhere: proxied and health-checked, never launched")
-    health_path: str = Field("/health", description="GET path that answers 200 when the backend is ready")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for the model process")
-    tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = Field(
-        None, description="form of the model's tool calls; null = detected from the chat template",
-        json_schema_extra={"audience": "engine"},
+    url: str | None = for_launch(None, description="a server elsewhere: proxied and health-checked, never launched")
+    health_path: str = for_supervisor("/health", description="GET path that answers 200 when the backend is ready")
+    env: dict[str, str] = for_launch(default_factory=dict, description="extra environment for the model process")
+    tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = for_engine(
+        None, description="form of the model's tool calls; null = detected from the chat template"
     )
-    max_n: int = Field(8, ge=1, le=128, description="largest `n` (choices per chat request) this model serves",
-                       json_schema_extra={"audience": "engine"})
+    max_n: int = for_engine(8, ge=1, le=128, description="largest `n` (choices per chat request) this model serves")
 
-    idle_timeout_s: float = Field(900, ge=0, description="stop after this long without requests; 0 = never")
-    startup_timeout_s: float = Field(180, gt=0, description="deadline for /health to answer 200 after a start")
-    health_interval_s: float = Field(10, gt=0, description="seconds between health probes while ready")
-    health_timeout_s: float = Field(5, gt=0, description="timeout of one health probe")
-    health_failures: int = Field(3, ge=1, description="consecutive failed probes that mark a backend hung")
-    stop_timeout_s: float = Field(10, ge=0, description="SIGTERM grace before SIGKILL")
-    request_timeout_s: float = Field(600, gt=0, description="deadline for the first byte of a backend response")
-    stream_idle_timeout_s: float = Field(300, gt=0, description="longest silence allowed between streamed chunks")
-    drain_timeout_s: float = Field(300, ge=0, description="how long a reload/unload waits for in-flight requests")
-    max_concurrency: int = Field(16, ge=1, description="requests in flight per model")
-    max_queue: int = Field(64, ge=0, description="requests waiting for a slot, then 429")
-    max_request_mb: float = Field(64, gt=0, description="request body limit in MiB, then 413")
-    fatal_patterns: tuple[str, ...] = Field(
+    idle_timeout_s: float = for_supervisor(900, ge=0, description="stop after this long without requests; 0 = never")
+    startup_timeout_s: float = for_supervisor(180, gt=0, description="deadline for /health to answer 200 after a start")
+    health_interval_s: float = for_supervisor(10, gt=0, description="seconds between health probes while ready")
+    health_timeout_s: float = for_supervisor(5, gt=0, description="timeout of one health probe")
+    health_failures: int = for_supervisor(3, ge=1, description="consecutive failed probes that mark a backend hung")
+    stop_timeout_s: float = for_supervisor(10, ge=0, description="SIGTERM grace before SIGKILL")
+    request_timeout_s: float = for_router(600, gt=0, description="deadline for the first byte of a backend response")
+    stream_idle_timeout_s: float = for_router(300, gt=0, description="longest silence allowed between streamed chunks")
+    drain_timeout_s: float = for_supervisor(
+        300, ge=0, description="how long a reload/unload waits for in-flight requests"
+    )
+    max_concurrency: int = for_router(16, ge=1, description="requests in flight per model")
+    max_queue: int = for_router(64, ge=0, description="requests waiting for a slot, then 429")
+    max_request_mb: float = for_engine(64, gt=0, description="request body limit in MiB, then 413")
+    fatal_patterns: tuple[str, ...] = for_engine(
         DEFAULT_FATAL_PATTERNS, description="engine errors that mean the process is beyond repair"
     )
-    retry_on_fatal: bool = Field(True, description="retry a non-streamed request once on the fresh backend")
-    max_retries: int = Field(5, ge=0, description="failed starts/crashes in a row before backing off at the cap")
-    backoff_base_s: float = Field(1.0, ge=0, description="first backoff delay; doubles per failure")
-    backoff_max_s: float = Field(60.0, ge=0, description="cap of the backoff delay")
-    stable_after_s: float = Field(30.0, ge=0, description="uptime after which the failure count resets")
+    suspect_patterns: tuple[str, ...] = for_engine(
+        DEFAULT_SUSPECT_PATTERNS, description="errors that may mean a sick device: a 500; two in 60 s restart it"
+    )
+    retry_on_fatal: bool = for_router(True, description="retry a non-streamed request once on the fresh backend")
+    max_retries: int = for_supervisor(
+        5, ge=0, description="failed starts/crashes in a row before backing off at the cap"
+    )
+    backoff_base_s: float = for_supervisor(1.0, ge=0, description="first backoff delay; doubles per failure")
+    backoff_max_s: float = for_supervisor(60.0, ge=0, description="cap of the backoff delay")
+    stable_after_s: float = for_supervisor(30.0, ge=0, description="uptime after which the failure count resets")
 
-    cache_dir: str | None = Field(None, description="OpenVINO CACHE_DIR (from router.cache_dir unless set)")
-    state_dir: str | None = Field(None, description="where converted models live (from router.state_dir)")
+    cache_dir: str | None = for_engine(None, description="OpenVINO CACHE_DIR (from router.cache_dir unless set)")
+    state_dir: str | None = for_engine(None, description="where converted models live (from router.state_dir)")
 
     @model_validator(mode="after")
     def _one_kind(self) -> ModelSpec:
@@ -142,13 +198,34 @@ class ModelSpec(_Frozen):
     def max_request_bytes(self) -> int:
         return int(self.max_request_mb * 1024 * 1024)
 
+    def child_view(self) -> ModelSpec:
+        """This spec as the model's process sees it: the engine and launch settings, the rest at defaults."""
+        return ModelSpec.model_validate(self.model_dump(include=set(fields_for(*CHILD_AUDIENCES))))
+
     def to_env(self) -> str:
-        """JSON for :data:`SPEC_ENV`."""
-        return self.model_dump_json()
+        """JSON for :data:`SPEC_ENV` (the :meth:`child_view`)."""
+        return self.child_view().model_dump_json()
 
     @classmethod
     def from_env(cls, value: str) -> ModelSpec:
         return cls.model_validate_json(value)
+
+
+def audience_of(name: str) -> Audience:
+    """Who reads the ModelSpec setting ``name`` (untagged settings count as ``engine``: they restart)."""
+    extra = ModelSpec.model_fields[name].json_schema_extra
+    audience = extra.get("audience") if isinstance(extra, dict) else None
+    return audience if audience in AUDIENCES else "engine"  # type: ignore[return-value]
+
+
+def fields_for(*audiences: Audience) -> frozenset[str]:
+    """The ModelSpec settings read by any of ``audiences``."""
+    return frozenset(name for name in ModelSpec.model_fields if audience_of(name) in audiences)
+
+
+def restarts_process(name: str) -> bool:
+    """Whether changing setting ``name`` of a loaded model restarts its process."""
+    return audience_of(name) in CHILD_AUDIENCES
 
 
 class ConfigError(ValueError):

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from modelserver.spec import FakeSpec, ModelSpec
+from modelserver.spec import FakeSpec, ModelSpec, audience_of, restarts_process
 from router.config import GroupSpec, RouterSettings
 
 __all__ = ["BEGIN", "END", "reference"]
@@ -30,12 +30,15 @@ def _default(info: Any) -> str:
 
 
 def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    restarts = model is ModelSpec  # a model's settings say whether a reload restarts its process
+    rows = ["| key | default | restarts the model? | meaning |" if restarts else "| key | default | meaning |",
+            "|---|---|---|---|" if restarts else "|---|---|---|"]
     for name, info in model.model_fields.items():
         if name in HIDDEN:
             continue
         description = (info.description or "").replace("|", "\\|")
-        rows.append(f"| `{prefix}{name}` | {_default(info)} | {description} |")
+        restart = (f" {'yes' if restarts_process(name) else 'no'} ({audience_of(name)}) |") if restarts else ""
+        rows.append(f"| `{prefix}{name}` | {_default(info)} |{restart} {description} |")
     return rows
 
 
@@ -50,7 +53,9 @@ def reference() -> str:
         "### `models.<name>` (and `defaults`, merged under every model)",
         "",
         "Keys only a model can have (`path`, `aliases`, `command`, `url`, `preload`, `group`) are refused in "
-        "`defaults`.",
+        "`defaults`. *Restarts the model?* says what a hot reload does when the key changes on a loaded model: "
+        "`engine` and `launch` settings reach the model's process, so it is drained and started again; "
+        "`supervisor` and `router` settings apply to the running process (same pid).",
         "",
         *_table(ModelSpec, ""),
         "",

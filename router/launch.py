@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
-from modelserver.spec import SPEC_ENV, ModelSpec
+from modelserver.spec import SPEC_ENV, ModelSpec, fields_for
 from procman import BackendSpec, RestartPolicy
 from router.config import RouterSettings
 
-__all__ = ["ROUTER_ONLY_FIELDS", "backend_spec"]
+__all__ = ["backend_spec", "supervision"]
 
-#: Settings the router applies itself; changing them on reload never restarts the process.
-ROUTER_ONLY_FIELDS = frozenset(
-    {
-        "aliases",
-        "preload",
-        "group",
-        "max_concurrency",
-        "max_queue",
-        "retry_on_fatal",
-        "request_timeout_s",
-        "stream_idle_timeout_s",
-        "loading_progress",
-    }
-)
+#: BackendSpec and RestartPolicy fields, filled from the ModelSpec settings tagged ``supervisor``.
+_BACKEND_FIELDS = frozenset(f.name for f in dataclasses.fields(BackendSpec))
+_POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(RestartPolicy))
+
+
+def supervision(spec: ModelSpec) -> dict[str, Any]:
+    """The supervisor's settings of ``spec``, derived from the tags (never copied field by field)."""
+    tagged = {name: getattr(spec, name) for name in fields_for("supervisor")}
+    unplaced = set(tagged) - _BACKEND_FIELDS - _POLICY_FIELDS
+    if unplaced:  # a new supervisor setting must be a BackendSpec or RestartPolicy field of the same name
+        raise AssertionError(f"supervisor settings procman does not know: {sorted(unplaced)}")
+    policy = RestartPolicy(**{k: v for k, v in tagged.items() if k in _POLICY_FIELDS})
+    return {**{k: v for k, v in tagged.items() if k in _BACKEND_FIELDS}, "policy": policy}
 
 
 def _modelserver_argv(spec: ModelSpec, router: RouterSettings, config_path: Path | None) -> tuple[str, ...]:
@@ -47,12 +48,12 @@ def _transport(spec: ModelSpec, router: RouterSettings) -> str:
 
 
 def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | None = None) -> BackendSpec:
-    """The process-level view of a model; two equal results mean "no restart needed"."""
+    """The process-level view of a model. Equal ``process_view`` means the same process: a change of
+    supervisor settings is retuned in place, and router settings never reach procman at all."""
     env: dict[str, str] = dict(spec.env)
     if spec.launches_modelserver:
         argv: tuple[str, ...] | None = _modelserver_argv(spec, router, config_path)
-        process_view = ModelSpec.model_validate(spec.model_dump(exclude=set(ROUTER_ONLY_FIELDS)))
-        env[SPEC_ENV] = process_view.to_env()
+        env[SPEC_ENV] = spec.to_env()  # the child view: engine and launch settings only
     else:
         argv = spec.command
     return BackendSpec(
@@ -62,18 +63,5 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
         cwd=str(config_path.parent) if config_path is not None else None,
         url=spec.url,
         transport=_transport(spec, router),  # type: ignore[arg-type]
-        health_path=spec.health_path,
-        startup_timeout_s=spec.startup_timeout_s,
-        health_interval_s=spec.health_interval_s,
-        health_timeout_s=spec.health_timeout_s,
-        health_failures=spec.health_failures,
-        stop_timeout_s=spec.stop_timeout_s,
-        idle_timeout_s=spec.idle_timeout_s,
-        drain_timeout_s=spec.drain_timeout_s,
-        policy=RestartPolicy(
-            max_retries=spec.max_retries,
-            backoff_base_s=spec.backoff_base_s,
-            backoff_max_s=spec.backoff_max_s,
-            stable_after_s=spec.stable_after_s,
-        ),
+        **supervision(spec),
     )

@@ -125,9 +125,13 @@ class Registry:
             model.limiter = Limiter(spec.name, spec.max_concurrency, spec.max_queue)
         model.spec = spec
         new_backend_spec = backend_spec(spec, self.config.router, self.config.path)
-        if new_backend_spec != model.backend.spec:
+        if new_backend_spec == model.backend.spec:
+            return  # router settings only: applied above
+        if new_backend_spec.process_view == model.backend.spec.process_view:
+            log.info("%s: supervisor settings changed; applied to the running process", spec.name)
+        else:
             log.info("%s changed: restarting after its in-flight requests finish", spec.name)
-            self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
+        self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
 
     # -- room: which limits a model's start must fit (procman's make_room carries them out) ---------
 

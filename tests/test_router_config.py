@@ -126,8 +126,24 @@ def test_router_only_changes_keep_the_process_spec() -> None:
     router = parse_config({}, Path("/tmp")).router
     base = backend_spec(spec("m"), router)
     assert backend_spec(spec("m", aliases=["x"], max_concurrency=2, max_queue=1), router) == base
-    assert backend_spec(spec("m", idle_timeout_s=3), router) != base
-    assert backend_spec(spec("m", fake={"token_delay_s": 0.5}), router) != base
+    retuned = backend_spec(spec("m", idle_timeout_s=3, health_interval_s=2, max_retries=1), router)
+    assert retuned != base and retuned.process_view == base.process_view  # the same process, retuned
+    assert retuned.idle_timeout_s == 3 and retuned.health_interval_s == 2 and retuned.policy.max_retries == 1
+    engine = backend_spec(spec("m", fake={"token_delay_s": 0.5}), router)
+    assert engine.process_view != base.process_view  # what the engine reads restarts the process
+
+
+def test_every_model_setting_has_one_audience_and_the_child_gets_only_its_own() -> None:
+    from modelserver.spec import AUDIENCES, fields_for
+
+    groups = [fields_for(audience) for audience in AUDIENCES]
+    assert set().union(*groups) == set(ModelSpec.model_fields) and sum(map(len, groups)) == len(ModelSpec.model_fields)
+    assert {"idle_timeout_s", "health_interval_s", "max_retries"} <= fields_for("supervisor")
+    assert {"aliases", "max_concurrency", "max_queue", "request_timeout_s"} <= fields_for("router")
+    custom = spec("m", idle_timeout_s=3, aliases=["x"], max_concurrency=2, device="GPU.1", fake={"dims": 8})
+    child = custom.child_view()
+    assert (child.device, child.fake.dims) == ("GPU.1", 8)  # engine settings by inclusion
+    assert (child.idle_timeout_s, child.aliases, child.max_concurrency) == (900, (), 16)  # the rest never reaches it
 
 
 def test_command_backend_transport_follows_its_placeholder() -> None:

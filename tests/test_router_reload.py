@@ -13,6 +13,10 @@ import pytest
 import yaml
 
 from procman import State
+from router.config import parse_config
+from router.metrics import Metrics
+from router.registry import Registry
+from tests.procman_fakes import Harness
 from tests.router_helpers import fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
 
@@ -63,16 +67,52 @@ async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: P
         assert [m["id"] for m in (await router.client.get("/v1/models")).json()["data"]] == ["keep", "edit", "new"]
 
 
-async def test_router_only_change_applies_without_a_restart(tmp_path: Path) -> None:
+async def test_router_and_supervisor_changes_apply_without_a_restart(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"echo": fake_model()})
     async with running_router(path) as router:
         await router.client.post("/v1/chat/completions", json=chat("echo"))
         pid = router.backend("echo").pid
-        rewrite(path, lambda d: d["models"]["echo"].update(aliases=["gpt-4o"], max_concurrency=2))
+        edits = {"aliases": ["gpt-4o"], "max_concurrency": 2, "idle_timeout_s": 120, "health_interval_s": 2,
+                 "max_retries": 1}
+        rewrite(path, lambda d: d["models"]["echo"].update(edits))
         assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["echo"]
         reply = await router.client.post("/v1/chat/completions", json=chat("gpt-4o", "via alias"))
         assert reply.status_code == 200 and router.backend("echo").pid == pid
         assert router.service.registry.models["echo"].limiter.max_concurrency == 2
+        spec = router.backend("echo").spec
+        assert (spec.idle_timeout_s, spec.health_interval_s, spec.policy.max_retries) == (120, 2, 1)
+
+
+RETUNES = {
+    "idle_timeout_s": (60, lambda m: m.backend.spec.idle_timeout_s == 60),
+    "health_interval_s": (7, lambda m: m.backend.spec.health_interval_s == 7),
+    "max_retries": (1, lambda m: m.backend.spec.policy.max_retries == 1),
+    "max_concurrency": (2, lambda m: m.limiter.max_concurrency == 2),
+    "aliases": (["gpt-4o"], lambda m: m.spec.aliases == ("gpt-4o",)),
+}
+
+
+@pytest.mark.parametrize("setting", list(RETUNES))
+async def test_supervisor_or_router_setting_of_a_loaded_model_keeps_its_process(tmp_path: Path, setting: str) -> None:
+    """In process, procman under fakes: the edit is applied and the very same process keeps serving."""
+    harness = Harness(tmp_path / "rt")
+    old = parse_config({"models": {"echo": fake_model()}}, tmp_path)
+    registry = Registry(old, Metrics(), manager=harness.manager)
+    try:
+        model = registry.models["echo"]
+        await model.backend.ensure_ready()
+        pid, spawned = model.backend.pid, len(harness.spawner.procs)
+        value, applied = RETUNES[setting]
+        new = parse_config({"models": {"echo": fake_model(**{setting: value})}}, tmp_path)
+        assert (await registry.apply(new)).changed == ("echo",)
+        await asyncio.gather(*registry._tasks)
+        model = registry.models["echo"]
+        assert applied(model), f"{setting} was not applied"
+        assert model.backend.pid == pid and len(harness.spawner.procs) == spawned and model.backend.state is State.READY
+        if setting == "aliases":
+            assert registry.resolve("gpt-4o") is model
+    finally:
+        await harness.clock.run(registry.shutdown())
 
 
 async def test_invalid_file_keeps_the_old_config_serving(tmp_path: Path) -> None:
