@@ -72,3 +72,20 @@ $(EXPORT_VENV)/.installed: tools/export-requirements.txt
 test-models: $(EXPORT_VENV)/.installed $(DEMO_GGUF)  ## build the small test models under models/
 	$(EXPORT_PY) tools/build_test_models.py
 # ---- end test models ----------------------------------------------------------------------
+
+# ---- Node client test (issue 12) ----------------------------------------------------------
+# Node's official `openai` package for tests/test_clients_sdk.py, installed into tests/node
+# at the version package.json pins. Without npm (or without the registry) the Node test is skipped.
+.PHONY: node-deps
+NODE_DEPS := tests/node/node_modules/.package-lock.json
+
+test: node-deps
+
+node-deps:  ## Node's openai package for the Node client test (skipped when npm is missing)
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory $(NODE_DEPS); \
+	else echo "npm not found: the Node client test (tests/test_clients_sdk.py) will be skipped"; fi
+
+$(NODE_DEPS): tests/node/package.json
+	cd tests/node && (npm install --no-package-lock --no-audit --no-fund --silent \
+	  || echo "npm install failed: the Node client test will be skipped")
+# ---- end Node client test ------------------------------------------------------------------
