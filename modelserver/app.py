@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelserver.api.common import LOG_NOTES, runtime
 from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, error_body, error_response
+from modelserver.memory import meter_for
 from modelserver.runtime import ModelRuntime
 from modelserver.spec import ModelSpec
 from modelserver.tasks import routes_for
@@ -90,7 +91,11 @@ class RequestLog:
 
 
 async def health(request: Request) -> Response:
-    status_code, body = runtime(request).health()
+    rt = runtime(request)
+    status_code, body = rt.health()
+    body["memory"] = memory = request.app.state.memory.report(engine_loaded=rt.status == "ready")
+    if memory.get("device_memory_bytes") is not None:
+        body.setdefault("device_memory_bytes", memory["device_memory_bytes"])
     return JSONResponse(body, status_code=status_code)
 
 
@@ -153,4 +158,5 @@ def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | No
         lifespan=lifespan,
     )
     app.state.runtime = rt
+    app.state.memory = meter_for(spec)
     return app
