@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bars", "distributions", "latency_curves", "lines", "timeline"]
+__all__ = ["bars", "distributions", "latency_curves", "lines", "stacked", "timeline"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,27 @@ def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, 
     ax.set(title=title, ylabel=ylabel)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
+    return _save(fig, path)
+
+
+def stacked(path: Path, title: str, xlabel: str, bars: Mapping[str, Mapping[str, float]]) -> str:
+    """Horizontal stacked bars: one bar per target, one colour per slice (same slice order in every bar)."""
+    plt = _pyplot()
+    names = list(bars)
+    slices = list(dict.fromkeys(part for parts in bars.values() for part in parts))
+    fig, ax = plt.subplots(figsize=(9.0, 2.0 + 0.8 * len(names)))
+    left = [0.0] * len(names)
+    for part in slices:
+        widths = [bars[name].get(part, 0.0) for name in names]
+        ax.barh(names, widths, left=left, label=part)
+        for y, (x0, width) in enumerate(zip(left, widths, strict=True)):
+            if width >= 0.25:
+                ax.text(x0 + width / 2, y, f"{width:.2f}", ha="center", va="center", fontsize="x-small")
+        left = [x0 + width for x0, width in zip(left, widths, strict=True)]
+    ax.set(title=title, xlabel=xlabel)
+    ax.invert_yaxis()
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize="small", ncol=4, loc="upper center", bbox_to_anchor=(0.45, -0.3))
     return _save(fig, path)
 
 
