@@ -28,7 +28,7 @@ from modelserver.runtime import ModelRuntime
 from modelserver.spec import ModelSpec
 from modelserver.tasks import routes_for
 
-__all__ = ["BodyLimit", "RequestLog", "build_app"]
+__all__ = ["BodyLimit", "ExitWhenFailed", "RequestLog", "build_app"]
 
 log = logging.getLogger("modelserver.access")
 
@@ -88,6 +88,21 @@ class RequestLog:
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
             elapsed = time.monotonic() - started
             log.log(level, "%s %s %s %.3fs%s", scope["method"], scope["path"], status or "-", elapsed, notes)
+
+
+class ExitWhenFailed:
+    """After each response: a process that failed beyond repair exits now (:meth:`ModelRuntime.exit_if_failed`)."""
+
+    def __init__(self, app: ASGIApp, runtime: ModelRuntime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                self.runtime.exit_if_failed()
 
 
 async def health(request: Request) -> Response:
@@ -153,7 +168,11 @@ def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | No
 
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", list_models), *routes_for(spec.task)],
-        middleware=[Middleware(RequestLog), Middleware(BodyLimit, max_mb=spec.max_request_mb)],
+        middleware=[
+            Middleware(ExitWhenFailed, runtime=rt),
+            Middleware(RequestLog),
+            Middleware(BodyLimit, max_mb=spec.max_request_mb),
+        ],
         exception_handlers={ModelServerError: _model_server_error, HTTPException: _http_error, Exception: _unexpected},
         lifespan=lifespan,
     )

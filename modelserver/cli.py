@@ -13,7 +13,9 @@ The loader thread starts as soon as the spec is known, before the HTTP server's 
 imported (OpenVINO releases the GIL while it builds a pipeline, so those imports cost a cold
 start nothing); the server then answers at once (``/health`` 503 "loading") until the
 engine is loaded. A model that cannot load logs ``failed to load <name>: <reason>`` and the process
-exits with status 1 (2 for a bad command line or config). SIGTERM stops it gracefully
+exits with status 1 (2 for a bad command line or config). A fatal engine error (a device
+beyond repair) answers its request and exits with status 3 at once, without touching the
+pipeline again. SIGTERM stops it gracefully
 (in-flight requests get ``GRACEFUL_SHUTDOWN_S``); uvicorn then re-raises the signal, so
 the parent sees the process ended by SIGTERM.
 """
@@ -45,6 +47,7 @@ log = logging.getLogger("modelserver")
 
 EXIT_LOAD_FAILED = 1
 EXIT_USAGE = 2
+EXIT_FATAL = 3
 GRACEFUL_SHUTDOWN_S = 3
 
 
@@ -136,6 +139,13 @@ def _server(args: argparse.Namespace, runtime: ModelRuntime) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
+def _exit_fatal() -> None:
+    """The device failed beyond repair: leave now, skipping every teardown that could touch it."""
+    log.error("exiting after a fatal engine error (status %d)", EXIT_FATAL)
+    logging.shutdown()
+    os._exit(EXIT_FATAL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     startup.mark("imports")
     args = parse_args(argv)
@@ -145,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("failed to load %s: %s", args.model or args.name or args.path or "model", "; ".join(exc.errors))
         return EXIT_USAGE
-    runtime = ModelRuntime(spec)
+    runtime = ModelRuntime(spec, on_fatal=_exit_fatal)
     loader = _Loader(runtime)
     loader.thread.start()
     server = _server(args, runtime)

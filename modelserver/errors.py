@@ -8,13 +8,17 @@
     │   └── BodyTooLarge             413  the body is above ``max_request_mb``
     ├── NotReady                     503  the engine is still loading, or failed to load
     └── EngineError                  500  the engine failed this request; the server keeps serving
-        └── FatalEngineError         500  + ``X-Backend-Fatal: 1``: the process is beyond repair
+        ├── SuspectEngineError       500  a suspect device error (``suspect_patterns``): ordinary, but
+        │                                 the second within ``SUSPECT_WINDOW_S`` fails the process
+        └── FatalEngineError         500  + ``X-Backend-Fatal: 1``: the process is beyond repair; it
+                                          answers and exits without touching the pipeline again
 
     LoadError                        (not an HTTP error) the model cannot be loaded; the process exits
 
 Engines raise plain exceptions (``RuntimeError`` from OpenVINO, or the fake engine's
-injected faults); :func:`classify` maps them onto :class:`EngineError` or
-:class:`FatalEngineError` by the model's ``fatal_patterns``, and :func:`error_response`
+injected faults); :func:`classify` maps them onto :class:`EngineError`,
+:class:`SuspectEngineError` or :class:`FatalEngineError` by the model's ``fatal_patterns``
+and ``suspect_patterns`` (case-insensitive substrings), and :func:`error_response`
 renders any :class:`ModelServerError` as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -34,8 +38,10 @@ __all__ = [
     "ModelServerError",
     "NotReady",
     "RequestError",
+    "SuspectEngineError",
     "UnsupportedParameter",
     "classify",
+    "matches",
     "error_body",
     "error_response",
 ]
@@ -98,6 +104,12 @@ class EngineError(ModelServerError):
     code = "engine_error"
 
 
+class SuspectEngineError(EngineError):
+    """An error that may mean a sick device (``suspect_patterns``); one alone is an ordinary 500."""
+
+    code = "engine_suspect"
+
+
 class FatalEngineError(EngineError):
     code = "engine_fatal"
 
@@ -109,14 +121,24 @@ class LoadError(Exception):
     """The model cannot be loaded (missing file, bad option, unsupported model); the process exits non-zero."""
 
 
-def classify(exc: BaseException, fatal_patterns: Sequence[str]) -> ModelServerError:
-    """``exc`` as a client-facing error: fatal when its text contains one of ``fatal_patterns``."""
+def matches(text: str, patterns: Sequence[str]) -> str | None:
+    """The first of ``patterns`` that ``text`` contains, ignoring case; None when none does."""
+    lowered = text.lower()
+    return next((pattern for pattern in patterns if pattern and pattern.lower() in lowered), None)
+
+
+def classify(
+    exc: BaseException, fatal_patterns: Sequence[str], suspect_patterns: Sequence[str] = ()
+) -> ModelServerError:
+    """``exc`` as a client-facing error: fatal when its text contains one of ``fatal_patterns``,
+    suspect when it contains one of ``suspect_patterns``, else an ordinary engine error."""
     if isinstance(exc, ModelServerError):
         return exc
     text = str(exc).strip() or type(exc).__name__
-    lowered = text.lower()
-    if any(pattern.lower() in lowered for pattern in fatal_patterns if pattern):
+    if matches(text, fatal_patterns):
         return FatalEngineError(f"engine failed beyond repair: {text}")
+    if matches(text, suspect_patterns):
+        return SuspectEngineError(f"engine error: {text}")
     return EngineError(f"engine error: {text}")
 
 

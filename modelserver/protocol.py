@@ -184,9 +184,17 @@ class ChatCompletionRequest(_Sampling):
     guided_grammar: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    #: vLLM's name: the last message is an unfinished assistant answer; the model continues it
+    #: (what the router sends to resume a stream whose backend died)
+    continue_final_message: bool = False
 
     def refuse_unsupported(self, max_n: int = 1) -> None:
         super().refuse_unsupported(max_n)
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestError(
+                "continue_final_message: the last message must be the assistant's answer to continue",
+                param="continue_final_message",
+            )
         if self.functions:
             raise _unsupported("functions", "the legacy `functions` are not supported; send them as `tools`")
         if self.top_logprobs:

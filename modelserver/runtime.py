@@ -4,10 +4,16 @@
 
     loading --load ok--> ready --fatal engine error--> failed
        └------load failed------------------------------> failed   (final: the process is replaced)
+
+A fatal engine error (a device that must not be touched again) halts the engine at once
+(its pump never calls the pipeline again) and, in a real process, exits it as soon as the
+failing response is written (:meth:`ModelRuntime.exit_if_failed`), or after
+``FATAL_EXIT_GRACE_S`` whatever happens: a wedged OpenCL queue may hang the next call.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -18,18 +24,33 @@ from modelserver import startup
 from modelserver.errors import LoadError, NotReady
 from modelserver.spec import ModelSpec
 
-__all__ = ["ModelRuntime", "Status"]
+__all__ = ["FATAL_EXIT_GRACE_S", "SUSPECT_LIMIT", "SUSPECT_WINDOW_S", "ModelRuntime", "Status"]
 
 log = logging.getLogger(__name__)
 
 Status = Literal["loading", "ready", "failed"]
 
+#: Suspect device errors (``suspect_patterns``) this close together fail the process.
+SUSPECT_LIMIT = 2
+SUSPECT_WINDOW_S = 60.0
+#: After a fatal error, the longest a process waits for its response to be written before it exits.
+FATAL_EXIT_GRACE_S = 2.0
+
 
 class ModelRuntime:
     """Holds the engine once loaded; ``status`` only moves forward (loading -> ready -> failed)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        on_fatal: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.spec = spec
+        self.on_fatal = on_fatal  # the real process exits here; in-process apps (tests) just keep a failed runtime
+        self._clock = clock
+        self._suspects: collections.deque[float] = collections.deque(maxlen=SUSPECT_LIMIT)
         self.status: Status = "loading"
         self.reason: str | None = None
         self.load_failed = False
@@ -44,11 +65,32 @@ class ModelRuntime:
                 self._engine, self.status = engine, "ready"
 
     def set_failed(self, reason: str) -> None:
+        """A fatal engine error: halt the engine now, exit once the answer is out (or after the grace)."""
         with self._lock:
             if self.status == "failed":
                 return
             self.status, self.reason = "failed", reason
+            engine = self._engine
         log.error("%s is beyond repair, /health now answers 503: %s", self.spec.name, reason)
+        halt = getattr(engine, "halt", None)
+        if halt is not None:
+            halt()
+        if self.on_fatal is not None:
+            timer = threading.Timer(FATAL_EXIT_GRACE_S, self.on_fatal)
+            timer.daemon = True
+            timer.start()
+
+    def suspect(self) -> bool:
+        """Record a suspect device error; True when it is the ``SUSPECT_LIMIT``-th within ``SUSPECT_WINDOW_S``."""
+        now = self._clock()
+        with self._lock:
+            self._suspects.append(now)
+            return len(self._suspects) == SUSPECT_LIMIT and now - self._suspects[0] <= SUSPECT_WINDOW_S
+
+    def exit_if_failed(self) -> None:
+        """After a response went out: a process failed beyond repair exits now (when it has an ``on_fatal``)."""
+        if self.status == "failed" and not self.load_failed and self.on_fatal is not None:
+            self.on_fatal()
 
     def require(self) -> Any:
         """The engine, or :class:`NotReady` while loading and once failed."""

@@ -264,6 +264,61 @@ async def test_custom_fatal_patterns_are_honoured() -> None:
         assert (await client.get("/health")).status_code == 503
 
 
+async def test_a_fatal_error_halts_the_runtime_and_asks_to_exit_once_the_answer_is_out() -> None:
+    spec = fake_spec()
+    exits: list[str] = []
+    runtime = ModelRuntime(spec, on_fatal=lambda: exits.append(runtime.status))
+    async with client_for(build_app(spec, FakeTextGenerator(spec), runtime=runtime)) as client:
+        assert (await client.post("/v1/chat/completions", json=chat("fine"))).status_code == 200
+        assert exits == []
+        response = await client.post("/v1/chat/completions", json=chat("[[fatal]]"))
+        assert response.status_code == 500 and response.headers[FATAL_HEADER] == "1"
+        assert exits == ["failed"]  # called after the response, before the next request
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["clFinish, error code: -5", "[GPU] device hung, reset, was removed", "ze failed with code 1879048193",
+     "GPU plugin may be unable to finish correctly", "cl_invalid_command_queue"],
+)
+async def test_default_fatal_patterns_match_case_insensitively(message: str) -> None:
+    spec = fake_spec()
+    async with client_for(build_app(spec, FailingMidStream(spec, message))) as client:
+        events = sse_events((await client.post("/v1/chat/completions", json=chat("x", stream=True))).text)
+        assert events[-1]["error"]["code"] == "engine_fatal"
+
+
+async def test_suspect_errors_are_ordinary_until_the_second_within_the_window() -> None:
+    spec = fake_spec()
+    now = [0.0]
+    runtime = ModelRuntime(spec, clock=lambda: now[0])
+    async with client_for(build_app(spec, FakeTextGenerator(spec), runtime=runtime)) as client:
+        first = await client.post("/v1/chat/completions", json=chat("[[suspect]]"))
+        assert first.status_code == 500 and FATAL_HEADER not in first.headers
+        assert first.json()["error"]["code"] == "engine_suspect"
+        now[0] = 61.0  # the window passed: still an ordinary error
+        assert FATAL_HEADER not in (await client.post("/v1/chat/completions", json=chat("[[suspect]]"))).headers
+        now[0] = 100.0
+        second = await client.post("/v1/chat/completions", json=chat("[[suspect]]"))
+        assert second.headers[FATAL_HEADER] == "1" and second.json()["error"]["code"] == "engine_suspect"
+        assert (await client.get("/health")).status_code == 503
+
+
+async def test_continue_final_message_continues_the_assistant_answer(llm: httpx.AsyncClient) -> None:
+    whole = (await llm.post("/v1/chat/completions", json=chat("one two three four five", stream=True))).text
+    full = "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(whole) if e.get("choices"))
+    body = chat("one two three four five", stream=True, continue_final_message=True)
+    body["messages"].append({"role": "assistant", "content": "one two"})
+    events = sse_events((await llm.post("/v1/chat/completions", json=body)).text)
+    rest = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
+    assert "one two" + rest == full == "one two three four five"
+
+
+async def test_continue_final_message_needs_an_assistant_message_last(llm: httpx.AsyncClient) -> None:
+    response = await llm.post("/v1/chat/completions", json=chat("hi", continue_final_message=True))
+    assert assert_error(response, 400, "continue_final_message")["param"] == "continue_final_message"
+
+
 async def test_while_loading_health_and_requests_are_503() -> None:
     spec = fake_spec()
     runtime = ModelRuntime(spec)

@@ -15,7 +15,8 @@ import openai
 import pytest
 from modelserver_helpers import ModelServerProcess, modelserver, spawn_modelserver
 
-from modelserver.engines.fake import CRASH_EXIT_CODE
+from modelserver.cli import EXIT_FATAL
+from modelserver.engines.fake import ABORT_EXIT_CODE, CRASH_EXIT_CODE
 from modelserver.errors import FATAL_HEADER
 from modelserver.spec import ModelSpec, build_model_spec
 
@@ -153,14 +154,34 @@ def test_hang_marker_blocks_requests_and_health() -> None:
         assert server.proc.poll() is None  # alive, but answers nothing: the router must kill it
 
 
-def test_fatal_marker_over_the_wire_then_health_stays_503() -> None:
+def test_fatal_marker_over_the_wire_answers_then_the_process_exits_at_once() -> None:
     with modelserver(spec=fake_spec(), uds=True) as server, server.client() as client:
         response = client.post("/v1/chat/completions", json=chat("[[fatal]]"))
         assert response.status_code == 500
         assert response.headers[FATAL_HEADER] == "1"
         assert "CL_OUT_OF_RESOURCES" in response.json()["error"]["message"]
-        for _ in range(3):
-            assert client.get("/health").status_code == 503
+        assert server.wait_exit(timeout_s=10) == EXIT_FATAL  # never touches the device again
+        assert "exiting after a fatal engine error" in server.log_text()
+
+
+def test_second_suspect_error_within_a_minute_answers_fatal_and_exits() -> None:
+    with modelserver(spec=fake_spec(), uds=True) as server, server.client() as client:
+        first = client.post("/v1/chat/completions", json=chat("[[suspect]]"))
+        assert first.status_code == 500 and FATAL_HEADER not in first.headers
+        assert first.json()["error"]["code"] == "engine_suspect"
+        assert client.get("/health").status_code == 200
+        second = client.post("/v1/chat/completions", json=chat("again [[suspect]]"))
+        assert second.status_code == 500 and second.headers[FATAL_HEADER] == "1"
+        assert "CL_MEM_OBJECT_ALLOCATION_FAILURE" in second.json()["error"]["message"]
+        assert server.wait_exit(timeout_s=10) == EXIT_FATAL
+
+
+def test_abort_marker_prints_a_fatal_line_and_exits_non_zero() -> None:
+    with modelserver(spec=fake_spec()) as server, server.client() as client:
+        with pytest.raises(httpx.TransportError):
+            client.post("/v1/chat/completions", json=chat("[[abort]]"))
+        assert server.wait_exit(timeout_s=10) == ABORT_EXIT_CODE
+        assert "GPU plugin can't finish correctly" in server.log_text()
 
 
 def test_sigterm_shuts_down_gracefully() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import openvino_genai as ov_genai
 import pytest
 
-from modelserver.engines.llm import Event, LLMStream, Pump, Ticket, _deliverer
-from modelserver.errors import EngineError
+from modelserver.engines.llm import Event, LLMStream, Pump, Ticket, _deliverer, continued_prompt
+from modelserver.errors import EngineError, RequestError
 
 RUNNING, FINISHED, IGNORED = (
     ov_genai.GenerationStatus.RUNNING,
@@ -173,3 +173,41 @@ async def test_a_request_cancelled_before_admission_never_reaches_the_pipeline(
     pump.start()
     assert await collect(later) == "c"  # admitted after the cancelled one, in the same drain
     assert list(pipeline.handles) == [2]
+
+
+async def test_a_halted_pump_never_calls_the_pipeline_again(pump: Pump, pipeline: ScriptedPipeline) -> None:
+    first = start(pump, pipeline, 1, ScriptedHandle([1]))
+    pump.start()
+    assert await collect(first) == "a"
+    pump.halt()
+    await asyncio.to_thread(pump._thread.join, 5)
+    steps = pipeline.steps
+    start(pump, pipeline, 2, ScriptedHandle([2]))
+    assert not pump._thread.is_alive() and pipeline.steps == steps and 2 not in pipeline.handles
+
+
+def render(history: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
+    """A template that strips each message and closes it with <end> (as most chat templates do)."""
+    text = "".join(f"<{m['role']}>{m['content'].strip()}<end>" for m in history)
+    return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize(
+    ("partial", "expected"),
+    [
+        ("The answer is", "<user>q<end><assistant>The answer is"),
+        ("The answer is ", "<user>q<end><assistant>The answer is"),  # stripped by the template: cut at the text
+        ("", "<user>q<end><assistant>"),  # nothing relayed yet: an ordinary generation prompt
+    ],
+)
+def test_continued_prompt_leaves_the_final_message_open(partial: str, expected: str) -> None:
+    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": partial}]
+    assert continued_prompt(render, history, None) == expected
+
+
+def test_continued_prompt_refuses_a_template_that_loses_the_text() -> None:
+    def lossy(history: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> str:
+        return "<assistant>…<end>"
+
+    with pytest.raises(RequestError, match="continue_final_message"):
+        continued_prompt(lossy, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}], None)

@@ -376,7 +376,7 @@ async def chat_completions(request: Request) -> Response:
     tools, constraint, parse = chat_plan(body, generator.tool_parser)
     generation = GenerationRequest(
         sampling=sampling(body, spec(request).default_max_tokens), messages=chat_turns(body.messages),
-        tools=tools, constraint=constraint, logprobs=bool(body.logprobs),
+        tools=tools, constraint=constraint, logprobs=bool(body.logprobs), continue_final=body.continue_final_message,
     )
     if tools or constraint is not None:
         note(request, tools=len(tools), constrained=constraint is not None)

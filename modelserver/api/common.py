@@ -21,9 +21,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from modelserver.errors import FatalEngineError, ModelServerError, classify
+from modelserver.errors import FatalEngineError, ModelServerError, SuspectEngineError, classify
 from modelserver.protocol import parse_request
-from modelserver.runtime import ModelRuntime
+from modelserver.runtime import SUSPECT_LIMIT, SUSPECT_WINDOW_S, ModelRuntime
 from modelserver.spec import ModelSpec
 
 __all__ = [
@@ -94,7 +94,12 @@ def engine_errors(rt: ModelRuntime) -> Iterator[None]:
             rt.set_failed(exc.message)
         raise
     except Exception as exc:
-        error = classify(exc, rt.spec.fatal_patterns)
+        error = classify(exc, rt.spec.fatal_patterns, rt.spec.suspect_patterns)
+        if isinstance(error, SuspectEngineError) and rt.suspect():
+            error = FatalEngineError(
+                f"{error.message} ({SUSPECT_LIMIT} suspect device errors within {SUSPECT_WINDOW_S:g}s: "
+                "the process is replaced)", code="engine_suspect"
+            )
         if isinstance(error, FatalEngineError):
             rt.set_failed(error.message)
         raise error from exc

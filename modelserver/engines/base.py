@@ -77,7 +77,8 @@ class GenerationRequest:
 
     ``tools`` are the OpenAI tool objects the prompt offers (empty: none); ``constraint``
     (a :data:`modelserver.structured.Constraint`) is what the output must match;
-    ``logprobs`` asks for each generated token's log probability.
+    ``logprobs`` asks for each generated token's log probability; ``continue_final`` renders
+    the last (assistant) message left open, so the answer continues it (a resumed stream).
     """
 
     sampling: SamplingParams
@@ -86,6 +87,7 @@ class GenerationRequest:
     tools: tuple[dict[str, Any], ...] = ()
     constraint: Any = None
     logprobs: bool = False
+    continue_final: bool = False  # the last message is an unfinished assistant answer to continue
 
     def last_user_text(self) -> str:
         """The text that the fake engine echoes and scans for fault markers."""

@@ -7,7 +7,21 @@ faults, checked when a request starts:
 - ``[[crash]]``  the process exits at once (``os._exit``), as a segfaulting driver would;
 - ``[[hang]]``   the event loop thread blocks forever: the request and ``/health`` never answer;
 - ``[[fatal]]``  an engine error containing ``CL_OUT_OF_RESOURCES`` (fatal by the default patterns);
+- ``[[suspect]]`` an engine error containing ``CL_MEM_OBJECT_ALLOCATION_FAILURE`` (suspect by the
+  default patterns: a 500; the second within a minute replaces the process);
+- ``[[abort]]``  a fatal GPU plugin message on stderr, then the process exits with status 134
+  (as an aborting driver would): the supervisor classifies the exit by those last lines;
 - ``[[error]]``  an ordinary engine error: a 500, and the server keeps serving.
+
+and, checked while a text answer streams:
+
+- ``[[stall]]``  half the words, then silence while ``/health`` still answers (a stalled
+  device) — unless the request continues a final assistant message (a resumed stream ends);
+- ``[[crash-mid]]`` half the words, then the process exits (every time: a poison request).
+
+A chat whose last message is an assistant message, sent with ``continue_final_message``,
+continues it: the echo's words that the message already holds are skipped, so a stream
+resumed after its backend died ends with exactly the text an unbroken one would have.
 
 Tools and structured output (what router and client tests build on):
 
@@ -46,26 +60,45 @@ from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 from modelserver.structured import Grammar, TagSpec, ToolGrammar, example_of, tool_call_grammar
 
-__all__ = ["CRASH_EXIT_CODE", "FakeEmbedder", "FakeTextGenerator", "load_embedder", "load_text_generator"]
+__all__ = [
+    "ABORT_EXIT_CODE",
+    "CRASH_EXIT_CODE",
+    "FakeEmbedder",
+    "FakeTextGenerator",
+    "load_embedder",
+    "load_text_generator",
+]
 
 log = logging.getLogger(__name__)
 
 #: Exit status of a ``[[crash]]``, so a test can tell an injected crash from any other exit.
 CRASH_EXIT_CODE = 86
+#: Exit status of an ``[[abort]]`` (SIGABRT's 128 + 6, as a shell reports an aborted driver).
+ABORT_EXIT_CODE = 134
+ABORT_MESSAGE = "[GPU] clFinish, error code: -5 CL_OUT_OF_RESOURCES; GPU plugin can't finish correctly ([[abort]])"
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
 
 
 def inject_faults(text: str) -> None:
     """Act on the fault markers in ``text``; returns only when there is none."""
     if "[[crash]]" in text:
         log.warning("fake engine: [[crash]] marker, exiting with status %d", CRASH_EXIT_CODE)
-        logging.shutdown()
-        os._exit(CRASH_EXIT_CODE)
+        _exit_now(CRASH_EXIT_CODE)
+    if "[[abort]]" in text:
+        os.write(2, (ABORT_MESSAGE + "\n").encode())
+        _exit_now(ABORT_EXIT_CODE)
     if "[[hang]]" in text:
         log.warning("fake engine: [[hang]] marker, blocking the event loop forever")
         while True:  # deliberately blocks the event loop thread: nothing, /health included, answers
             time.sleep(3600)
     if "[[fatal]]" in text:
         raise RuntimeError("fake engine: clEnqueueNDRangeKernel failed with CL_OUT_OF_RESOURCES ([[fatal]] marker)")
+    if "[[suspect]]" in text:
+        raise RuntimeError("fake engine: clEnqueueWriteBuffer: CL_MEM_OBJECT_ALLOCATION_FAILURE ([[suspect]])")
     if "[[error]]" in text:
         raise RuntimeError("fake engine: injected error ([[error]] marker)")
 
@@ -90,7 +123,7 @@ class FakeStream:
     """``words`` (pieces of text, each a delta and a token), joined by spaces unless ``joined``."""
 
     def __init__(self, words: list[str], prompt_tokens: int, max_tokens: int, delay_s: float, counters: _Counters,
-                 joined: bool = False):
+                 joined: bool = False, continued: bool = False, fault: str | None = None):
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -100,6 +133,8 @@ class FakeStream:
         self._counters = counters
         self._closed = False
         self._joined = joined
+        self._continued = continued  # the first word follows text already there: it gets its space too
+        self._fault = fault  # "stall" or "crash-mid": after half the words
         counters.running += 1
         self._gen = self._deltas()
 
@@ -109,9 +144,11 @@ class FakeStream:
     async def _deltas(self) -> AsyncIterator[str]:
         try:
             for index, word in enumerate(self._words[: self._max_tokens]):
+                if index == len(self._words) // 2 and self._fault is not None:
+                    await _mid_fault(self._fault)
                 await asyncio.sleep(self._delay_s)
                 self.completion_tokens += 1
-                yield word if index == 0 or self._joined else " " + word
+                yield word if (index == 0 and not self._continued) or self._joined else " " + word
             self.finish_reason = "length" if len(self._words) > self._max_tokens else "stop"
         finally:
             self._settle()
@@ -134,7 +171,32 @@ class FakeStream:
     def token_logprobs(self) -> list[tuple[str, float]]:
         """Every piece sent is certain: log probability 0."""
         sent = self._words[: self.completion_tokens]
-        return [(w if i == 0 or self._joined else " " + w, 0.0) for i, w in enumerate(sent)]
+        return [(w if (i == 0 and not self._continued) or self._joined else " " + w, 0.0) for i, w in enumerate(sent)]
+
+
+async def _mid_fault(fault: str) -> None:
+    if fault == "crash-mid":
+        log.warning("fake engine: [[crash-mid]] marker, exiting with status %d", CRASH_EXIT_CODE)
+        _exit_now(CRASH_EXIT_CODE)
+    log.warning("fake engine: [[stall]] marker, this generation goes silent")
+    await asyncio.Event().wait()  # silent until cancelled; /health keeps answering
+
+
+def _mid_stream_fault(text: str, continued: bool) -> str | None:
+    if "[[crash-mid]]" in text:
+        return "crash-mid"
+    if "[[stall]]" in text and not continued:
+        return "stall"
+    return None
+
+
+def _continue(words: list[str], request: GenerationRequest) -> list[str]:
+    """The echo's words that the final assistant message (a continuation) does not hold yet."""
+    turns = request.messages or ()
+    if not request.continue_final or not turns or turns[-1].role != "assistant":
+        return words
+    done = turns[-1].content.split()
+    return words[len(done):] if words[: len(done)] == done else words
 
 
 def _pieces(text: str) -> list[str]:
@@ -187,10 +249,11 @@ class FakeTextGenerator:
         inject_faults(text)
         prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
         answer = structured_answer(request, self.tool_parser)
-        words = text.split() if answer is None else _pieces(answer)
+        words = _continue(text.split(), request) if answer is None else _pieces(answer)
+        continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip())
         return FakeStream(
             words, prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters,
-            joined=answer is not None,
+            joined=answer is not None, continued=continued, fault=_mid_stream_fault(text, request.continue_final),
         )
 
 

@@ -90,6 +90,11 @@ class Pump:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
+    def halt(self) -> None:
+        """Never touch the pipeline again (a fatal device error); the step under way, if any, ends first."""
+        self._stopping = True
+        self._wake.set()
+
     def submit(self, ticket: Ticket) -> None:
         self._inbox.put(ticket)
         self._wake.set()
@@ -273,6 +278,10 @@ class OpenVINOTextGenerator:
     def close(self) -> None:
         self._pump.stop()
 
+    def halt(self) -> None:
+        """A fatal error: the pump stops calling the pipeline (the process exits next)."""
+        self._pump.halt()
+
     def generate(self, request: GenerationRequest) -> LLMStream:
         ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request), _noop)
         if request.logprobs:
@@ -293,7 +302,12 @@ class OpenVINOTextGenerator:
             return self._tokenizer.encode(request.prompt or "", add_special_tokens=True).input_ids
         history, tools = chat_history(request, self._template_tools)
         try:
-            prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
+            if request.continue_final:
+                prompt = continued_prompt(self._tokenizer.apply_chat_template, history, tools)
+            else:
+                prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
+        except RequestError:
+            raise
         except Exception as exc:
             raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
         return self._tokenizer.encode(prompt, add_special_tokens=False).input_ids
@@ -312,6 +326,28 @@ def chat_history(request: Any, template_tools: bool) -> tuple[list[dict[str, Any
     if tools or has_tool_turns:
         return plain_history(history, tools), None
     return history, None
+
+
+def continued_prompt(render: Callable[..., str], history: list[dict[str, Any]], tools: Any) -> str:
+    """The chat rendered with its last (assistant) message left open, so the answer continues it.
+
+    The template closes every message it renders; the text after the final message's content
+    (its end-of-turn marker) is cut. An empty final message is a plain generation prompt.
+    """
+    partial = str(history[-1].get("content") or "")
+    if not partial.strip():
+        return render(history[:-1], add_generation_prompt=True, tools=tools)
+    rendered = render(history, add_generation_prompt=False, tools=tools)
+    core = partial.strip()
+    at = rendered.rfind(core)
+    if at < 0:
+        raise RequestError(
+            "continue_final_message: the chat template does not reproduce the final message's text",
+            param="continue_final_message",
+        )
+    kept = partial.lstrip()  # the template may strip the message's edge whitespace, or keep it
+    end = at + len(kept) if rendered[at : at + len(kept)] == kept else at + len(core)
+    return rendered[:end]
 
 
 def generation_config(sampling: SamplingParams, defaults: Any, constraint: Any = None) -> Any:
