@@ -89,3 +89,16 @@ $(NODE_DEPS): tests/node/package.json
 	cd tests/node && (npm install --no-package-lock --no-audit --no-fund --silent \
 	  || echo "npm install failed: the Node client test will be skipped")
 # ---- end Node client test ------------------------------------------------------------------
+
+# ---- dashboard browser tests (issue 13) ------------------------------------------------------
+# Debian's chromium for tests/test_ui_browser.py (Playwright for Python drives it through its
+# executable_path; no browser download). Never fails: without it those tests are skipped.
+.PHONY: ui-deps
+
+test: ui-deps
+
+ui-deps:  ## chromium for the /ui browser tests, via apt-get when missing
+	@command -v chromium >/dev/null 2>&1 || { (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+	  || echo "chromium could not be installed: the /ui browser tests will be skipped"; }
+# ---- end dashboard browser tests ------------------------------------------------------------

@@ -183,7 +183,7 @@ function renderModels() {
       <td><b>${esc(m.name)}</b><div class="reason">${esc(m.task)} · ${esc(m.device)}${m.kind !== "modelserver" ? " · " + esc(m.kind) : ""}</div></td>
       <td class="wrap">${stateCell(m)}</td>
       <td class="num">${m.pid ?? "–"}</td>
-      <td class="num">${fmtS(m.uptime_s)}</td>
+      <td class="num">${fmtS(m.state === "ready" && m.started_at ? Date.now() / 1000 - m.started_at : null)}</td>
       <td class="num">${mem}${kv}</td>
       <td class="num">${m.in_flight ?? 0} / ${m.queued ?? 0}</td>
       <td>${m.restarts ?? 0}${restarts ? ` <span class="reason">(${esc(restarts)})</span>` : ""}</td>
