@@ -1,0 +1,132 @@
+"""router.budget (sizes with units, auto) and router.sizes (measured peaks persisted, estimates)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from modelserver.spec import build_model_spec
+from router.budget import budget_device, parse_budget, parse_size, physical_memory_bytes, resolve_budget
+from router.sizes import ESTIMATE_FACTOR, ESTIMATE_OVERHEAD_BYTES, SizeStore, files_bytes
+
+M = 1024 * 1024
+G = 1024 * M
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("12GiB", 12 * G), ("800MB", 800_000_000), ("1.5 GiB", int(1.5 * G)), ("512kib", 512 * 1024), ("10 B", 10),
+    ("2TB", 2 * 10**12),
+])
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("value", "fix"), [
+    (12, 'write "12MiB" or "12GiB"'), ("12", "expected a size like"), ("12 parsecs", "expected a size like"),
+    (True, "expected a size like"), (None, "expected a size like"),
+])
+def test_parse_size_says_what_to_fix(value: object, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        parse_size(value)
+
+
+def test_parse_budget() -> None:
+    assert parse_budget(None) is None
+    assert parse_budget("auto") == "auto"
+    parsed = parse_budget({"CPU": "12GiB", "gpu": "80%", "GPU.1": "auto"})
+    assert parsed == {"CPU": 12 * G, "GPU.0": 0.8, "GPU.1": "auto"}
+
+
+@pytest.mark.parametrize(("value", "fix"), [
+    ("lots", 'expected "auto" or a mapping'),
+    ({"CPU": "0GiB"}, "CPU: a budget must be more than 0 bytes"),
+    ({"CPU": "150%"}, r"CPU: a share of the device must be in \(0%, 100%\]"),
+    ({"GPU.0": 14}, 'GPU.0: a size needs a unit'),
+])
+def test_parse_budget_errors(value: object, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        parse_budget(value)
+
+
+@pytest.mark.parametrize(("device", "counts_on"), [
+    ("CPU", "CPU"), ("GPU", "GPU.0"), ("GPU.1", "GPU.1"), ("HETERO:GPU.1,CPU", "GPU.1"), ("AUTO", "CPU"),
+    ("NPU", "NPU"), ("gpu.0", "GPU.0"),
+])
+def test_budget_device(device: str, counts_on: str) -> None:
+    assert budget_device(device) == counts_on
+
+
+def test_resolve_budget_auto() -> None:
+    totals = {"CPU": 100 * G, "GPU.0": 16 * G}
+    budgets = resolve_budget("auto", ["GPU.0", "GPU.1"], totals.get)
+    assert budgets == {"CPU": 80 * G, "GPU.0": int(16 * G * 0.9)}  # GPU.1's total is not known yet: no budget
+
+
+def test_resolve_budget_mapping() -> None:
+    setting = parse_budget({"CPU": "12GiB", "GPU.0": "50%"})
+    assert setting is not None and setting != "auto"
+    assert resolve_budget(setting, [], {"GPU.0": 16 * G}.get) == {"CPU": 12 * G, "GPU.0": 8 * G}
+    assert resolve_budget(None, ["CPU"], lambda d: G) == {}
+
+
+def test_physical_memory(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16318480 kB\nMemFree:  1 kB\n")
+    assert physical_memory_bytes(meminfo) == 16318480 * 1024
+    assert (physical_memory_bytes() or 0) > 0
+
+
+def spec(name: str, **raw: object):  # noqa: ANN201
+    return build_model_spec(name, raw)
+
+
+def test_size_of_a_never_seen_model_is_estimated_from_its_files(tmp_path: Path) -> None:
+    folder = tmp_path / "ir"
+    folder.mkdir()
+    (folder / "openvino_model.bin").write_bytes(b"x" * 4000)
+    (folder / "openvino_model.xml").write_bytes(b"x" * 96)
+    store = SizeStore(None)
+    size = store.size_of(spec("m", path=str(folder), device="GPU"))
+    assert size.device == "GPU.0" and size.source == "files"
+    assert size.bytes == int(4096 * ESTIMATE_FACTOR) + ESTIMATE_OVERHEAD_BYTES
+    assert files_bytes(str(folder / "openvino_model.bin")) == 4000
+    assert files_bytes(str(tmp_path / "missing")) is None
+
+
+def test_size_of_fake_remote_and_unknown() -> None:
+    store = SizeStore(None)
+    assert store.size_of(spec("r", url="http://127.0.0.1:9")).as_dict() == {"device": None, "bytes": 0,
+                                                                             "source": "remote"}
+    assert store.size_of(spec("c", command=["srv", "--port", "${PORT}"])).source == "unknown"
+    assert store.size_of(spec("f", engine="fake")).source == "unknown"
+
+
+def test_measured_peak_wins_and_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "memory.json"
+    store = SizeStore(path)
+    model = spec("m", path=str(tmp_path), device="CPU")
+    assert store.record("m", 10, {"device": "CPU", "counted_bytes": 200 * M})
+    assert store.record("m", 10, {"device": "CPU", "counted_bytes": 300 * M})
+    assert not store.record("m", 10, {"device": "CPU", "counted_bytes": 250 * M})  # one process: the peak stays
+    assert store.size_of(model).bytes == 300 * M and store.size_of(model).source == "measured"
+    again = SizeStore(path)  # a restarted router
+    assert again.size_of(model).bytes == 300 * M
+    assert again.record("m", 11, {"device": "CPU", "counted_bytes": 250 * M})  # a new process: its own peak
+    assert again.size_of(model).bytes == 250 * M
+    assert json.loads(path.read_text())["models"]["m"]["pid"] == 11
+
+
+def test_reported_device_total_is_remembered(tmp_path: Path) -> None:
+    store = SizeStore(tmp_path / "memory.json")
+    store.record("g", 5, {"device": "GPU", "counted_bytes": G, "device_total_bytes": 16 * G})
+    assert SizeStore(tmp_path / "memory.json").device_total("GPU.0") == 16 * G
+
+
+def test_a_broken_store_is_ignored(tmp_path: Path) -> None:
+    path = tmp_path / "memory.json"
+    path.write_text("{not json")
+    store = SizeStore(path)
+    assert store.models == {}
+    assert not store.record("m", 1, "nonsense")
