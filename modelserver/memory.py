@@ -256,5 +256,5 @@ class MemoryMeter:
 
 def meter_for(spec: Any) -> MemoryMeter:
     """The meter of a model: its device, and the fake engine's configured size."""
-    fake_mb = getattr(spec.fake, "memory_mb", None) if spec.engine == "fake" else None
+    fake_mb = spec.fake.memory_mb if spec.engine == "fake" else None
     return MemoryMeter(spec.device, fake_mb=fake_mb)

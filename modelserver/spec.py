@@ -108,6 +108,9 @@ class FakeSpec(_Frozen):
     token_delay_s: float = Field(0.01, ge=0, description="seconds between streamed words")
     dims: int = Field(64, ge=1, le=8192, description="size of fake embedding vectors")
     fail_load: str | None = Field(None, description="make the load fail with this message (tests a failed start)")
+    memory_mb: float | None = Field(
+        None, gt=0, description="size the fake reports on /health as its memory (exercises memory_budget)"
+    )
 
 
 class ModelSpec(_Frozen):
@@ -127,6 +130,16 @@ class ModelSpec(_Frozen):
     ov_config: dict[str, Any] = for_engine(default_factory=dict, description="OpenVINO properties, passed through")
     scheduler: dict[str, Any] = for_engine(default_factory=dict, description="openvino_genai.SchedulerConfig fields")
     group: str | None = for_router(None, description="a key of `groups` (shared max_loaded)")
+    pin: bool = for_router(False, description="never stopped to make room for another model")
+    min_residency_s: float = for_router(
+        10, ge=0, description="not stopped to make memory room until loaded this long (no thrashing)"
+    )
+    restart: Literal["rolling", "stop-first"] = for_router(
+        "rolling", description="a change or restart starts the new process first where memory allows"
+    )
+    memory_mb: float | None = for_router(
+        None, gt=0, description="its size on its device, when measuring is not wanted (a `command:` reports none)"
+    )
     fake: FakeSpec = for_engine(default_factory=FakeSpec, description="fake engine settings")
     save_ov_model: bool = for_engine(
         False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it"

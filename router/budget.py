@@ -53,12 +53,12 @@ Entry = int | float | str
 def parse_size(value: object) -> int:
     """``"12GiB"`` -> bytes. Raises ValueError naming the fix (a unit is required)."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError(f'expected a size like "12GiB" or "800MB", got {value!r}')
+        raise ValueError('expected a size like "12GiB" or "800MB"')
     if isinstance(value, int | float):
-        raise ValueError(f'a size needs a unit: write "{value}MiB" or "{value}GiB", got {value!r}')
+        raise ValueError(f'a size needs a unit: write "{value}MiB" or "{value}GiB"')
     match = _SIZE.match(value)
     if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f'expected a size like "12GiB", "800MB" or "75%" (units: B, kB..TB, KiB..TiB), got {value!r}')
+        raise ValueError(f'expected a size like "12GiB", "800MB" or "75%" (units: B, kB..TB, KiB..TiB), not {value!r}')
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -68,7 +68,7 @@ def _entry(value: object) -> Entry:
     if isinstance(value, str) and (match := _PERCENT.match(value)):
         share = float(match.group(1)) / 100
         if not 0 < share <= 1:
-            raise ValueError(f"a share of the device must be in (0%, 100%], got {value!r}")
+            raise ValueError(f"a share of the device must be in (0%, 100%], not {value!r}")
         return share
     size = parse_size(value)
     if size <= 0:
@@ -83,7 +83,7 @@ def parse_budget(value: Any) -> str | dict[str, Entry] | None:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     if not isinstance(value, Mapping):
-        raise ValueError(f'expected "auto" or a mapping of device to size like {{CPU: 12GiB}}, got {value!r}')
+        raise ValueError('expected "auto" or a mapping of device to size like {CPU: 12GiB}')
     budget: dict[str, Entry] = {}
     for device, entry in value.items():
         try:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from modelserver.spec import PER_MODEL_KEYS, ConfigError, ModelSpec, build_model_spec, format_errors, read_yaml
+from router.budget import parse_budget
 
 __all__ = ["Config", "ConfigError", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
 
@@ -45,6 +46,9 @@ class RouterSettings(_Frozen):
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
     cors_origins: tuple[str, ...] = Field((), description='browser origins allowed by CORS ("*" = any); empty = none')
+    memory_budget: str | dict[str, int | float | str] | None = Field(
+        None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"
+    )
 
     @field_validator("port_range")
     @classmethod
@@ -53,6 +57,11 @@ class RouterSettings(_Frozen):
         if not 1 <= low <= high <= 65535:
             raise ValueError(f"expected [low, high] with 1 <= low <= high <= 65535, got {list(value)}")
         return value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> str | dict[str, int | float | str] | None:
+        return parse_budget(value)
 
     @field_validator("cors_origins")
     @classmethod

@@ -100,13 +100,13 @@ class SizeStore:
         if spec.url is not None:
             return Size(None, 0, "remote")
         device = budget_device(spec.device)
-        declared = getattr(spec, "memory_mb", None)
+        declared = spec.memory_mb
         if declared:
             return Size(device, int(declared * MIB), "declared")
         seen = self.models.get(spec.name)
         if seen is not None and seen.get("peak_bytes"):
             return Size(device, int(seen["peak_bytes"]), "measured")
-        fake_mb = getattr(spec.fake, "memory_mb", None) if spec.engine == "fake" and spec.command is None else None
+        fake_mb = spec.fake.memory_mb if spec.engine == "fake" and spec.command is None else None
         if fake_mb:
             return Size(device, int(fake_mb * MIB), "fake")
         if spec.command is None and spec.engine != "fake":

@@ -130,3 +130,27 @@ def test_a_broken_store_is_ignored(tmp_path: Path) -> None:
     store = SizeStore(path)
     assert store.models == {}
     assert not store.record("m", 1, "nonsense")
+
+
+def test_config_memory_budget_is_validated() -> None:
+    from router.config import ConfigError, parse_config
+
+    config = parse_config({"router": {"memory_budget": {"CPU": "1GiB", "GPU": "80%"}}}, Path("."))
+    assert config.router.memory_budget == {"CPU": G, "GPU.0": 0.8}
+    assert parse_config({"router": {"memory_budget": "auto"}}, Path(".")).router.memory_budget == "auto"
+    with pytest.raises(ConfigError) as raised:
+        parse_config({"router": {"memory_budget": {"CPU": 12}}}, Path("."))
+    assert raised.value.errors == ['router.memory_budget: CPU: a size needs a unit: write "12MiB" or "12GiB", '
+                                   'got {"CPU": 12}']
+
+
+def test_model_memory_settings_are_validated() -> None:
+    from modelserver.spec import ConfigError
+
+    model = spec("m", engine="fake", pin=True, min_residency_s=5, restart="stop-first", fake={"memory_mb": 300})
+    assert (model.pin, model.min_residency_s, model.restart, model.fake.memory_mb) == (True, 5, "stop-first", 300)
+    assert SizeStore(None).size_of(model).as_dict() == {"device": "CPU", "bytes": 300 * M, "source": "fake"}
+    declared = spec("c", command=["srv", "${PORT}"], memory_mb=2048, device="GPU.1")
+    assert SizeStore(None).size_of(declared).as_dict() == {"device": "GPU.1", "bytes": 2 * G, "source": "declared"}
+    with pytest.raises(ConfigError, match="models.m.restart: expected one of"):
+        spec("m", engine="fake", restart="sometimes")
