@@ -1,6 +1,9 @@
 """Where a backend listens, and handing out those places without clashes.
 
-Unix sockets live in one private directory (mode 0700). TCP ports come from a configured
+Unix sockets live in one private directory (mode 0700), one file per process:
+``<name>-<n>.sock`` with ``n`` counting every address this allocator handed out, so an old
+process still draining and its replacement never share a socket, and only the process's own
+release removes its file. TCP ports come from a configured
 range on 127.0.0.1; a port is never handed to two backends at once, a port something else
 already holds is skipped, and a clash the child reports at start is answered by trying the
 next port (no bind-port-0-then-close: another process could take the port in between).
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 MAX_SOCKET_PATH = 103
+#: The widest socket number the fallback directory is sized for.
+SOCKET_NUMBER_ROOM = "999"
 
 _CLASH = re.compile(r"address already in use|eaddrinuse|errno 98\b|only one usage of each socket address", re.I)
 _SAFE = re.compile(r"[A-Za-z0-9._-]{1,48}")
@@ -118,6 +123,7 @@ class AddressAllocator:
         self._in_use: set[int] = set()
         self._socket_dir: Path | None = None
         self._own_temp_dir = False
+        self._sockets = 0  # sockets handed out: the number in the next socket's name
 
     @property
     def socket_dir(self) -> Path:
@@ -128,7 +134,7 @@ class AddressAllocator:
 
     def _pick_socket_dir(self) -> Path:
         wanted = self._runtime_dir / "sockets"
-        if _fits(wanted / f"{short_name('')}.sock"):
+        if _fits(wanted / f"{short_name('')}-{SOCKET_NUMBER_ROOM}.sock"):
             return _private_dir(wanted)
         self._own_temp_dir = True  # runtime_dir is too deep for sun_path: a short private dir instead
         path = Path(tempfile.mkdtemp(prefix="ovrouter-"))
@@ -138,11 +144,12 @@ class AddressAllocator:
     def allocate(self, name: str, transport: Literal["uds", "tcp"]) -> Address:
         """A fresh address for ``name``; raises BackendUnavailable when no TCP port is free."""
         if transport == "uds":
-            path = self.socket_dir / f"{safe_name(name)}.sock"
+            self._sockets += 1
+            path = self.socket_dir / f"{safe_name(name)}-{self._sockets}.sock"
             if not _fits(path):
-                path = self.socket_dir / f"{short_name(name)}.sock"
+                path = self.socket_dir / f"{short_name(name)}-{self._sockets}.sock"
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a stale socket of a process that is gone
+                path.unlink()  # left by a router before this one (its processes are gone with it)
             return Address(kind="uds", path=str(path))
         return Address(kind="tcp", host=self._host, port=self._next_port(name))
 

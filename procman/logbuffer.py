@@ -1,4 +1,7 @@
-"""The last lines a backend printed (stdout and stderr merged), kept in memory and on disk."""
+"""The last lines a backend printed (stdout and stderr merged), kept in memory and on disk.
+
+Log files hold prompts' errors and paths: they are created 0600 in a 0700 directory.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +22,17 @@ log = logging.getLogger(__name__)
 
 FOLLOW_QUEUE_LINES = 10_000
 MAX_FILE_BYTES = 16 * 1024 * 1024  # then <name>.log moves to <name>.log.1 and a new file begins
+
+
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != DIR_MODE:
+        path.chmod(DIR_MODE)
 
 
 class LogBuffer:
@@ -91,8 +107,11 @@ class LogBuffer:
             self.path = None
 
     def _open(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8", errors="replace", buffering=1)
+        _private_dir(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)  # a file an older version left readable
+        self._file = open(fd, "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
         self._file_bytes = self._file.tell()
 
     def close(self) -> None:

@@ -5,6 +5,12 @@ group, so a stop can signal the whole group) and, on Linux, sets ``PR_SET_PDEATH
 SIGKILL so the child dies with its supervisor even when that one is killed with SIGKILL.
 The death signal fires when the *thread* that forked exits: spawn from the event-loop
 thread (asyncio and uvloop both fork there), never from a short-lived worker thread.
+
+The death signal reaches only the direct child; its own children (a shell-wrapped
+``command:``) are covered by :mod:`procman.watchdog`, a small process that SIGKILLs every
+registered process group once the router is gone. The spawner keeps one while any child
+runs, and when a child exits it SIGKILLs what the child left in its group before it
+forgets the group.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-__all__ = ["LineCallback", "ProcessHandle", "Spawner", "SubprocessHandle", "SubprocessSpawner"]
+__all__ = ["GroupWatch", "LineCallback", "ProcessHandle", "Spawner", "SubprocessHandle", "SubprocessSpawner"]
 
 log = logging.getLogger(__name__)
 
 LineCallback = Callable[[str], None]
 
 PR_SET_PDEATHSIG = 1
+WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
 READ_CHUNK_BYTES = 65536
 MAX_LINE_BYTES = 16384
 #: After the process exits, how long its last output may take to arrive through the pipe.
@@ -88,8 +95,67 @@ def _child_setup(parent_pid: int) -> Callable[[], None]:
     return setup
 
 
+class GroupWatch:
+    """The router's side of :mod:`procman.watchdog`: one watchdog process while any group is registered."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._groups: set[int] = set()
+        self._reaping: set[asyncio.Task[int]] = set()
+        self._starting: asyncio.Lock | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def watch(self, pgid: int) -> None:
+        """From now on, ``pgid`` is SIGKILLed if the router dies."""
+        self._starting = self._starting or asyncio.Lock()
+        async with self._starting:  # two spawns at once share one watchdog
+            if self._proc is None or self._proc.returncode is not None:
+                await self._start()
+        self._groups.add(pgid)
+        self._write(f"+ {pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        """``pgid`` is gone; the last one closes the watchdog (it exits at once: nothing left to kill)."""
+        if pgid not in self._groups:
+            return
+        self._groups.discard(pgid)
+        self._write(f"- {pgid}\n")
+        if not self._groups and self._proc is not None:
+            proc, self._proc = self._proc, None
+            if proc.stdin is not None:
+                proc.stdin.close()
+            task = asyncio.get_running_loop().create_task(proc.wait())
+            self._reaping.add(task)
+            task.add_done_callback(self._reaping.discard)
+
+    async def _start(self) -> None:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", WATCHDOG,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.debug("process-group watchdog pid=%d", self._proc.pid)
+
+    def _write(self, line: str) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(line.encode())
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            log.warning("the process-group watchdog is gone; children may outlive a killed router")
+
+
 class SubprocessSpawner:
     """Spawns real processes with asyncio (or uvloop) subprocess support."""
+
+    def __init__(self) -> None:
+        self.groups = GroupWatch()
 
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback
@@ -104,14 +170,16 @@ class SubprocessSpawner:
             start_new_session=True,
             preexec_fn=_child_setup(os.getpid()),
         )
-        return SubprocessHandle(proc, on_line)
+        await self.groups.watch(proc.pid)  # its own session: the group id is its pid
+        return SubprocessHandle(proc, on_line, self.groups)
 
 
 class SubprocessHandle:
     """A real child process; its output is pumped into ``on_line`` by a task of its own."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, on_line: LineCallback) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, on_line: LineCallback, groups: GroupWatch) -> None:
         self._proc = proc
+        self._groups = groups
         assert proc.stdout is not None
         self._pump = asyncio.get_running_loop().create_task(_pump_lines(proc.stdout, on_line))
 
@@ -125,6 +193,8 @@ class SubprocessHandle:
 
     async def wait(self) -> int:
         code = await self._proc.wait()
+        self.signal_group(signal.SIGKILL)  # what the process left in its group dies with it
+        self._groups.forget(self._proc.pid)
         if not self._pump.done():
             # the last lines are still in the pipe; a grandchild holding it open must not block us
             await asyncio.wait({self._pump}, timeout=OUTPUT_DRAIN_S)

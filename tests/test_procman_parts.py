@@ -101,7 +101,7 @@ def test_sockets_live_in_a_private_directory(tmp_path: Path) -> None:
 def test_relative_runtime_dir_gives_absolute_socket_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     address = AddressAllocator(Path(".ovrouter")).allocate("m", "uds")
-    assert address.path == str(tmp_path / ".ovrouter" / "sockets" / "m.sock")  # a child with another cwd finds it
+    assert address.path == str(tmp_path / ".ovrouter" / "sockets" / "m-1.sock")  # a child with another cwd finds it
 
 
 def test_too_deep_runtime_dir_falls_back_to_a_short_private_dir(tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ def test_too_deep_runtime_dir_falls_back_to_a_short_private_dir(tmp_path: Path) 
     address = allocator.allocate("a model/with odd:name", "uds")
     assert address.path is not None and len(address.path.encode()) <= 103
     assert stat.S_IMODE(Path(address.path).parent.stat().st_mode) == 0o700
-    assert Path(address.path).name == f"{short_name('a model/with odd:name')}.sock"
+    assert Path(address.path).name == f"{short_name('a model/with odd:name')}-1.sock"
     folder = Path(address.path).parent
     allocator.close()
     assert not folder.exists()
@@ -122,7 +122,18 @@ def test_long_name_gets_a_short_socket_file(tmp_path: Path) -> None:
     address = allocator.allocate(long_name, "uds")
     assert address.path is not None and len(address.path.encode()) <= 103
     assert Path(address.path).parent == tmp_path / "sockets"
-    assert allocator.allocate("plain", "uds").path == str(tmp_path / "sockets" / "plain.sock")
+    assert allocator.allocate("plain", "uds").path == str(tmp_path / "sockets" / "plain-2.sock")
+
+
+def test_each_process_gets_its_own_socket_and_a_release_removes_only_its_own(tmp_path: Path) -> None:
+    allocator = AddressAllocator(tmp_path)
+    old, new = allocator.allocate("m", "uds"), allocator.allocate("m", "uds")  # a drain overlapping a re-add
+    assert old.path != new.path
+    for address in (old, new):
+        assert address.path is not None
+        Path(address.path).touch()
+    allocator.release(old)
+    assert new.path is not None and Path(new.path).exists() and not Path(str(old.path)).exists()
 
 
 def test_tcp_ports_are_never_shared_and_come_back(tmp_path: Path) -> None:
@@ -186,6 +197,18 @@ def test_log_buffer_keeps_the_last_lines_and_writes_the_file(tmp_path: Path) -> 
     logs.close()
     text = (tmp_path / "logs" / "m.log").read_text().splitlines()
     assert text[:9] == [f"l{i}" for i in range(8)] + ["after"] and "procman: spawned pid=1" in text[9]
+
+
+def test_log_files_are_private(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir(mode=0o755)
+    (tmp_path / "logs" / "old.log").write_text("from before\n")
+    (tmp_path / "logs" / "old.log").chmod(0o644)
+    for name in ("m.log", "old.log"):
+        logs = LogBuffer(tmp_path / "logs" / name)
+        logs.append("a prompt's error")
+        logs.close()
+        assert stat.S_IMODE((tmp_path / "logs" / name).stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
 
 
 def test_log_file_rotates_past_its_size_limit(tmp_path: Path) -> None:

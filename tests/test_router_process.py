@@ -75,6 +75,25 @@ def test_sigkill_of_the_router_leaves_no_model_process(tmp_path: Path) -> None:
         assert gone(pids, 3.0), "model processes outlived a SIGKILLed router"
 
 
+def test_sigkill_of_the_router_leaves_no_grandchild_of_a_shell_wrapped_command(tmp_path: Path) -> None:
+    port = free_port()
+    server = f"{sys.executable} -m modelserver --engine fake --port ${{PORT}}"
+    wrapped = {"command": ["sh", "-c", f"{server} & wait"], "preload": True}
+    config = write_config(tmp_path, {"wrapped": wrapped}, router={"transport": "tcp"})
+    with router_process(config, port) as proc:
+        deadline = time.monotonic() + 20
+        while not (pids := model_pids(port)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shell = psutil.Process(pids[0])
+        grandchildren = [child.pid for child in shell.children(recursive=True)]
+        watchdogs = [p.pid for p in psutil.Process(proc.pid).children() if "watchdog.py" in " ".join(p.cmdline())]
+        assert grandchildren and len(watchdogs) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        assert gone([shell.pid, *grandchildren], 3.0), "a shell-wrapped model's child outlived a SIGKILLed router"
+        assert gone(watchdogs, 3.0)
+
+
 def test_sigterm_finishes_the_stream_then_stops_every_model(tmp_path: Path) -> None:
     port = free_port()
     config = write_config(tmp_path, {"echo": fake_model(fake={"load_s": 0, "token_delay_s": 0.1})})
