@@ -157,9 +157,8 @@ class Console:
         if address is None:
             return
         try:
-            pool = self.service.pool.pool(address)
-            resp = await asyncio.wait_for(pool.request("GET", "/health", [], b"", head_timeout_s=HEALTH_TIMEOUT_S),
-                                          HEALTH_TIMEOUT_S)
+            ask = self.service.pool.request(address, "GET", "/health", [], b"", HEALTH_TIMEOUT_S)
+            resp = await asyncio.wait_for(ask, HEALTH_TIMEOUT_S)
             try:
                 body = json.loads(await resp.read(HEALTH_TIMEOUT_S))
             finally:

@@ -27,9 +27,9 @@ from starlette.types import Message, Receive, Send
 
 from procman import BackendUnavailable, InBackoff, Lease
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
-from router.httpclient import UpstreamError, UpstreamResponse, UpstreamTimeout
+from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
-from router.upstream import UpstreamPool
+from router.upstream import Upstream, UpstreamReply
 
 __all__ = ["ProxyRequest", "forward", "run_until_disconnect", "send_error"]
 
@@ -80,7 +80,7 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list
     return headers
 
 
-def _response_headers(resp: UpstreamResponse) -> list[tuple[bytes, bytes]]:
+def _response_headers(resp: UpstreamReply) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
 
 
@@ -97,7 +97,7 @@ def _unavailable(model: Model, exc: BackendUnavailable) -> ServiceUnavailable:
     return ServiceUnavailable(f"model {model.spec.name!r} is unavailable: {exc.reason}", retry_after_s=retry)
 
 
-async def forward(model: Model, req: ProxyRequest, pool: UpstreamPool, send: Send) -> int:
+async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -> int:
     """Proxy ``req`` to ``model`` and relay the answer; returns the HTTP status the client got."""
     async with model.limiter:
         for attempt in (1, 2):
@@ -116,14 +116,12 @@ def _can_retry(model: Model, req: ProxyRequest, may_retry: bool) -> bool:
 
 
 async def _exchange(
-    model: Model, req: ProxyRequest, pool: UpstreamPool, lease: Lease, send: Send, may_retry: bool
+    model: Model, req: ProxyRequest, pool: Upstream, lease: Lease, send: Send, may_retry: bool
 ) -> int | None:
     """One try. Returns the status relayed, or None to ask for one retry on a fresh backend."""
     spec = model.spec
     try:
-        resp = await pool.pool(lease.address).request(
-            req.method, req.path, req.headers, req.body, head_timeout_s=spec.request_timeout_s
-        )
+        resp = await pool.request(lease.address, req.method, req.path, req.headers, req.body, spec.request_timeout_s)
     except UpstreamTimeout:
         raise GatewayTimeout(
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"
@@ -157,7 +155,7 @@ async def _wait_replaced(model: Model, lease: Lease) -> bool:
 
 
 async def _fatal(
-    model: Model, req: ProxyRequest, lease: Lease, resp: UpstreamResponse, may_retry: bool
+    model: Model, req: ProxyRequest, lease: Lease, resp: UpstreamReply, may_retry: bool
 ) -> int | None:
     try:
         detail = _error_message(await resp.read(idle_timeout_s=5.0))
@@ -193,7 +191,7 @@ def _error_message(body: bytes) -> str:
         return body[:300].decode("utf-8", "replace") or "no detail"
 
 
-async def _relay(model: Model, resp: UpstreamResponse, send: Send) -> int:
+async def _relay(model: Model, resp: UpstreamReply, send: Send) -> int:
     await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
     idle_s = model.spec.stream_idle_timeout_s
     try:
@@ -209,7 +207,7 @@ async def _relay(model: Model, resp: UpstreamResponse, send: Send) -> int:
     return resp.status
 
 
-async def _end_broken_stream(model: Model, resp: UpstreamResponse, send: Send, exc: UpstreamError) -> None:
+async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc: UpstreamError) -> None:
     if isinstance(exc, UpstreamTimeout):
         reason = f"sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
     else:

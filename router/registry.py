@@ -40,12 +40,11 @@ class Registry:
     def __init__(self, config: Config, metrics: Metrics, manager: ProcessManager | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self.manager = manager or ProcessManager(
-            Path(config.router.state_dir),
-            port_range=config.router.port_range,
-            listener=self,
-            scopes=self._scopes,
-        )
+        if manager is None:
+            manager = ProcessManager(Path(config.router.state_dir), port_range=config.router.port_range)
+        self.manager = manager
+        manager.add_listener(self)
+        manager.scopes = self._scopes
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
         self.max_body_bytes = 1 << 20

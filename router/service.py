@@ -10,6 +10,7 @@ import signal
 import time
 from typing import Any
 
+from procman import ProcessManager
 from router.config import Config, ConfigError, load_config
 from router.console import Console
 from router.errors import Unauthorized
@@ -17,7 +18,7 @@ from router.events import EventBus
 from router.metrics import Metrics
 from router.registry import Registry
 from router.reload import watch_config
-from router.upstream import UpstreamPool
+from router.upstream import Upstream, UpstreamPool
 
 __all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key"]
 
@@ -42,12 +43,22 @@ def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> No
 
 
 class RouterService:
-    def __init__(self, config: Config, metrics: Metrics | None = None) -> None:
+    """Everything one router owns. ``manager`` (procman) and ``upstream`` (the HTTP hop to the
+    backends) are injectable: tests run the whole router in-process over fakes of both."""
+
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics | None = None,
+        *,
+        manager: ProcessManager | None = None,
+        upstream: Upstream | None = None,
+    ) -> None:
         self.metrics = metrics or Metrics()
-        self.registry = Registry(config, self.metrics)
+        self.registry = Registry(config, self.metrics, manager)
         self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.events)
         self.console = Console(self)
-        self.pool = UpstreamPool()
+        self.pool: Upstream = upstream or UpstreamPool()
         self.started_at = time.time()
         self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}
         self._reload_lock = asyncio.Lock()

@@ -1,17 +1,59 @@
-"""The router's connections to its backends: one keep-alive pool per backend address.
+"""How the router talks to its backends: the :class:`Upstream` protocol and its real pool.
 
-Pools are created on first use and closed when the router stops. See
-:mod:`router.httpclient` for why the client is our own thin layer over httptools.
+The proxy and the service take an ``Upstream`` (injected, like httpx's transport), so router
+tests run every proxy behaviour in-process against a fake (``tests/router_fakes.py``)
+without a model process. :class:`UpstreamPool` is the real one: a keep-alive
+:class:`~router.httpclient.ConnectionPool` per backend address, created on first use and
+closed when the router stops. See :mod:`router.httpclient` for why the client is our own
+thin layer over httptools.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Protocol
+
 from procman import Address
 from router.httpclient import ConnectionPool
 
-__all__ = ["UpstreamPool"]
+__all__ = ["Upstream", "UpstreamPool", "UpstreamReply"]
 
 CONNECT_TIMEOUT_S = 5.0
+
+
+class UpstreamReply(Protocol):
+    """A response whose head arrived; the body follows. ``close()`` (always) frees the connection."""
+
+    status: int
+    raw_headers: list[tuple[bytes, bytes]]
+    complete: bool
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    def header(self, name: bytes) -> bytes | None: ...
+
+    def iter_chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]: ...
+
+    async def read(self, idle_timeout_s: float | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """One HTTP exchange with the backend at ``address``; raises UpstreamError / UpstreamTimeout."""
+
+    async def request(
+        self,
+        address: Address,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        head_timeout_s: float | None,
+    ) -> UpstreamReply: ...
+
+    async def close(self) -> None: ...
 
 
 class UpstreamPool:
@@ -19,6 +61,17 @@ class UpstreamPool:
 
     def __init__(self) -> None:
         self._pools: dict[Address, ConnectionPool] = {}
+
+    async def request(
+        self,
+        address: Address,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        head_timeout_s: float | None,
+    ) -> UpstreamReply:
+        return await self.pool(address).request(method, path, headers, body, head_timeout_s=head_timeout_s)
 
     def pool(self, address: Address) -> ConnectionPool:
         pool = self._pools.get(address)

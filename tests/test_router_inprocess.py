@@ -1,0 +1,258 @@
+"""Every proxy behaviour in-process, in milliseconds: the real router app, procman under fakes and a
+fake upstream (tests/router_fakes.py). test_router_proxy.py keeps the end-to-end proof over real
+model-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import pytest
+
+import router.proxy
+from procman import State
+from router.httpclient import UpstreamError, UpstreamTimeout
+from tests.router_fakes import Call, FakeReply, chat, echo, fake_router
+
+pytestmark = pytest.mark.timeout(30)
+
+FATAL = (b"x-backend-fatal", b"1")
+
+
+def model(**overrides: object) -> dict[str, object]:
+    return {"engine": "fake", "loading_progress": "off", **overrides}
+
+
+def fatal_reply() -> FakeReply:
+    return FakeReply.json(500, {"error": {"message": "CL_OUT_OF_RESOURCES in step()"}}, headers=[FATAL])
+
+
+async def test_stream_is_relayed_chunk_by_chunk(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+
+        async def stream(call: Call) -> FakeReply:
+            return FakeReply(chunks=events, content_type=b"text/event-stream")
+
+        r.upstream.handler = stream
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
+        assert reply.status == 200 and reply.chunks == events  # never buffered into one
+        assert r.upstream.replies[0].closed and r.backend("echo").in_flight == 0
+
+
+async def test_unknown_model_is_404_naming_the_known_and_starts_nothing(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        reply = await r.post("/v1/chat/completions", chat("nope"))
+        assert reply.status == 404 and "echo" in reply.json()["error"]["message"]
+        assert r.harness.spawner.procs == [] and r.upstream.calls == []
+
+
+async def test_fatal_non_streamed_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def first_fatal(call: Call) -> FakeReply:
+            return fatal_reply() if len(r.upstream.calls) == 1 else await echo(call)
+
+        r.upstream.handler = first_fatal
+        reply = await r.post("/v1/chat/completions", chat("echo", "hi"))
+        first, second = r.harness.spawner.procs
+        assert reply.status == 200 and reply.json()["pid"] == second.pid
+        assert not first.alive and first.signals[0] == signal.SIGKILL  # killed at once, never asked politely
+        assert r.backend("echo").restarts == 1 and r.harness.recorder.restarts == [("echo", "fatal")]
+
+
+async def test_fatal_that_follows_the_retry_is_a_503(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def always_fatal(call: Call) -> FakeReply:
+            return fatal_reply()
+
+        r.upstream.handler = always_fatal
+        reply = await r.post("/v1/chat/completions", chat("echo"))
+        assert reply.status == 503 and "CL_OUT_OF_RESOURCES" in reply.json()["error"]["message"]
+        assert len(r.upstream.calls) == 2  # one retry, never a second
+
+
+async def test_streamed_fatal_is_503_with_retry_after_and_not_retried(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def fatal(call: Call) -> FakeReply:
+            return fatal_reply()
+
+        r.upstream.handler = fatal
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
+        assert reply.status == 503 and reply.headers["retry-after"]
+        assert "unrecoverable" in reply.json()["error"]["message"]
+        assert len(r.upstream.calls) == 1
+        r.upstream.handler = echo
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
+        assert len(r.harness.spawner.procs) == 2  # the background restart replaced it
+
+
+async def test_retry_on_fatal_false_answers_503_and_restarts_in_the_background(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(retry_on_fatal=False)}) as r:
+        async def first_fatal(call: Call) -> FakeReply:
+            return fatal_reply() if len(r.upstream.calls) == 1 else await echo(call)
+
+        r.upstream.handler = first_fatal
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 503
+        ok = await r.post("/v1/chat/completions", chat("echo", "fine now"))
+        first, last = r.harness.spawner.procs[0], r.harness.spawner.procs[-1]
+        assert ok.status == 200 and ok.json()["pid"] == last.pid != first.pid
+
+
+async def test_crash_mid_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def first_crashes(call: Call) -> FakeReply:
+            if len(r.upstream.calls) == 1:
+                assert call.proc is not None
+                call.proc.exit(139)
+                raise UpstreamError("backend closed the connection")
+            return await echo(call)
+
+        r.upstream.handler = first_crashes
+        reply = await r.post("/v1/chat/completions", chat("echo"))
+        assert reply.status == 200 and reply.json()["pid"] == r.harness.spawner.procs[1].pid
+        assert r.harness.recorder.restarts == [("echo", "crash")]
+
+
+async def test_crash_of_a_streamed_request_is_a_clean_502(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def crash(call: Call) -> FakeReply:
+            assert call.proc is not None
+            call.proc.exit(139)
+            raise UpstreamError("backend closed the connection")
+
+        r.upstream.handler = crash
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
+        assert reply.status == 502 and "died" in reply.json()["error"]["message"]
+        assert len(r.upstream.calls) == 1
+
+
+async def test_unreachable_live_backend_is_502_not_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router.proxy, "DEATH_GRACE_S", 0.01)
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def refuse(call: Call) -> FakeReply:
+            raise UpstreamError("cannot connect to the backend: connection refused")
+
+        r.upstream.handler = refuse
+        reply = await r.post("/v1/chat/completions", chat("echo"))
+        assert reply.status == 502 and "could not be reached" in reply.json()["error"]["message"]
+        assert len(r.upstream.calls) == 1 and r.backend("echo").state is State.READY
+
+
+async def test_no_response_head_in_time_is_504(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(request_timeout_s=0.05)}) as r:
+        async def never(call: Call) -> FakeReply:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        r.upstream.handler = never
+        reply = await r.post("/v1/chat/completions", chat("echo"))
+        assert reply.status == 504 and "request_timeout_s=0.05s" in reply.json()["error"]["message"]
+
+
+async def test_upstream_timeout_error_is_504(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        async def slow_connect(call: Call) -> FakeReply:
+            raise UpstreamTimeout("connecting to the backend took over 5s")
+
+        r.upstream.handler = slow_connect
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 504
+
+
+async def test_silence_mid_stream_ends_it_with_an_error_event(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(stream_idle_timeout_s=0.05)}) as r:
+        async def stalls(call: Call) -> FakeReply:
+            return FakeReply(chunks=[b"data: one\n\n", asyncio.Event()], content_type=b"text/event-stream")
+
+        r.upstream.handler = stalls
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
+        assert reply.status == 200 and reply.chunks[0] == b"data: one\n\n"
+        assert b"stream_idle_timeout_s=0.05s" in reply.body and b'"code": "backend_error"' in reply.body
+        assert r.upstream.replies[0].closed
+
+
+async def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(max_concurrency=1, max_queue=1)}) as r:
+        release = asyncio.Event()
+
+        async def slow(call: Call) -> FakeReply:
+            await release.wait()
+            return await echo(call)
+
+        r.upstream.handler = slow
+        busy = [asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo"))) for _ in range(2)]
+        while r.service.registry.models["echo"].limiter.queued < 1:
+            await asyncio.sleep(0)
+        refused = await r.post("/v1/chat/completions", chat("echo"))
+        assert refused.status == 429 and int(refused.headers["retry-after"]) >= 1
+        assert "max_queue=1" in refused.json()["error"]["message"]
+        release.set()
+        assert [x.status for x in await asyncio.gather(*busy)] == [200, 200]
+
+
+async def test_body_over_the_model_limit_is_413_and_reaches_nobody(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"small": model(max_request_mb=0.01), "big": model()}) as r:
+        too_big = await r.post("/v1/chat/completions", chat("small", "x " * 20000))
+        assert too_big.status == 413 and "0.01 MiB" in too_big.json()["error"]["message"]
+        assert r.upstream.calls == [] and r.backend("small").state is State.STOPPED
+        assert (await r.post("/v1/chat/completions", chat("big", "x " * 20000))).status == 200
+
+
+async def test_failed_start_is_503_with_the_reason_then_backs_off(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"broken": model(backoff_base_s=5)}) as r:
+        def fails(proc: object) -> None:
+            proc.say("RuntimeError: weights are corrupt")  # type: ignore[attr-defined]
+            proc.exit(1)  # type: ignore[attr-defined]
+
+        r.harness.spawner.on_spawn = fails
+        first = await r.post("/v1/chat/completions", chat("broken"))
+        assert first.status == 503 and "weights are corrupt" in first.json()["error"]["message"]
+        second = await r.post("/v1/chat/completions", chat("broken"))
+        assert second.status == 503 and int(second.headers["retry-after"]) >= 1
+        assert r.backend("broken").state is State.BACKOFF and r.upstream.calls == []
+
+
+async def test_client_disconnect_mid_stream_closes_the_upstream(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        never = asyncio.Event()
+
+        async def long_stream(call: Call) -> FakeReply:
+            return FakeReply(chunks=[b"data: one\n\n", never], content_type=b"text/event-stream")
+
+        r.upstream.handler = long_stream
+        hang_up = asyncio.Event()
+        exchange = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", stream=True), disconnect=hang_up))
+        while not r.upstream.replies:
+            await asyncio.sleep(0)
+        hang_up.set()
+        reply = await asyncio.wait_for(exchange, 5)
+        assert reply.status == 200 and reply.chunks == [b"data: one\n\n"]
+        assert r.upstream.replies[0].closed and r.backend("echo").in_flight == 0  # the model server sees it go
+
+
+async def test_group_evicts_the_idle_model_and_waits_for_a_busy_one(tmp_path: Path) -> None:
+    models = {"a": model(group="gpu0"), "b": model(group="gpu0")}
+    async with fake_router(tmp_path, models, groups={"gpu0": {"max_loaded": 1}}) as r:
+        assert (await r.post("/v1/chat/completions", chat("a"))).status == 200
+        proc_a = r.harness.spawner.procs[0]
+        assert (await r.post("/v1/chat/completions", chat("b"))).status == 200
+        assert r.backend("a").state is State.STOPPED and not proc_a.alive
+        release = asyncio.Event()
+
+        async def b_is_busy(call: Call) -> FakeReply:
+            if len(r.upstream.calls) == 3:  # the stream on b
+                return FakeReply(chunks=[b"data: one\n\n", release, b"data: [DONE]\n\n"],
+                                 content_type=b"text/event-stream")
+            return await echo(call)
+
+        r.upstream.handler = b_is_busy
+        stream = asyncio.ensure_future(r.post("/v1/chat/completions", chat("b", stream=True)))
+        while len(r.upstream.calls) < 3:
+            await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(r.post("/v1/chat/completions", chat("a")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and r.backend("b").state is State.READY  # a busy model is never killed for room
+        release.set()
+        assert (await stream).status == 200 and (await waiting).status == 200
+        assert r.backend("b").state is State.STOPPED and r.backend("a").state is State.READY
+        assert r.harness.recorder.stops == [("a", "evict"), ("b", "evict")]
