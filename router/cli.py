@@ -7,13 +7,13 @@ import json
 import logging
 import os
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from router.config import Config, ConfigError, load_config
+from router.statustable import status_table
 
 __all__ = ["main"]
 
@@ -109,17 +109,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'MODEL':<20} {'STATE':<9} {'PID':>7} {'IN':>3} {'Q':>3} {'RESTARTS':>8} {'IDLE':>7}  LAST ERROR"
-    lines = [head]
-    now = time.time()
-    for row in rows:
-        idle = f"{now - row['last_used']:.0f}s" if row.get("last_used") else "-"
-        error = (row.get("last_error") or "")[:60]
-        lines.append(
-            f"{row['name']:<20} {str(row['state']).lower():<9} {row.get('pid') or '-':>7} {row.get('in_flight', 0):>3} "
-            f"{row.get('queued', 0):>3} {row.get('restarts', 0):>8} {idle:>7}  {error}"
-        )
-    return "\n".join(lines)
+    return status_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,7 +63,10 @@ class Console:
         self.activity = Activity(service.metrics, self.bus, self.load_s.get)
         self._loading: dict[str, asyncio.Task[None]] = {}
         manager = service.registry.manager
-        manager.listener = _Tee(manager.listener, self)
+        if hasattr(manager, "add_listener"):  # procman with a list of listeners
+            manager.add_listener(self)
+        else:
+            manager.listener = _Tee(manager.listener, self)
 
     # -- procman listener ------------------------------------------------------------------------
 

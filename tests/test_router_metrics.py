@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.metrics import Metrics
 from tests.router_helpers import fake_model, running_router, write_config
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "one two three four five"}]}
@@ -171,3 +174,48 @@ async def test_an_operator_cancels_a_request_in_flight(tmp_path: Path) -> None:
         assert rows[0]["state"] == "cancelled"
         assert (await router.client.post(f"/api/requests/{running[0]['id']}/cancel")).status_code == 404
         assert router.backend("m").in_flight == 0
+
+
+def _exported_names() -> set[str]:
+    names = set()
+    for family in Metrics().registry.collect():
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+        names.update(family.name + suffix for suffix in ("_total", "_bucket", "_sum", "_count"))
+    return names
+
+
+def test_the_grafana_dashboard_and_the_readme_use_exported_names() -> None:
+    root = Path(__file__).resolve().parents[1]
+    exported = _exported_names()
+    dashboard = json.loads((root / "docs" / "grafana-dashboard.json").read_text())
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"ovrouter_\w+", target["expr"])}
+    assert used and used <= exported, sorted(used - exported)
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("### Metrics"):readme.index("## Configuration")]
+    listed = set(re.findall(r"`(ovrouter_\w+)`", section))
+    families = {f.name: f.type for f in Metrics().registry.collect()}
+    documented = {name.removesuffix("_total") for name in listed}
+    missing = sorted(set(families) - documented)
+    assert not missing, f"exported but not in the README's Metrics section: {missing}"
+    assert documented <= set(families), sorted(documented - set(families))
+
+
+async def test_ovrouter_status_prints_the_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router import cli
+
+    config = write_config(tmp_path, {"m": fake_model(), "idle": fake_model()})
+    async with running_router(config) as router:
+        for _ in range(2):
+            assert (await router.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await router.client.post("/api/models/m/restart")).status_code == 200
+        code = await asyncio.to_thread(cli.main, ["status", "--url", router.url, "--key", ""])
+    assert code == 0
+    head, *lines = capsys.readouterr().out.strip().splitlines()
+    assert head.split()[:6] == ["MODEL", "STATE", "PID", "UP", "RSS", "IN"] and "TTFT50" in head
+    rows = {line.split()[0]: line for line in lines}
+    m = rows["m"].split()
+    assert m[1] == "ready" and m[2].isdigit() and m[4].endswith("M")  # state, pid, RSS in MiB
+    assert "1 manual:1" in rows["m"] and rows["m"].endswith("start:manual")  # restarts by reason, last reason
+    assert rows["idle"].split()[1:3] == ["stopped", "-"]
