@@ -25,9 +25,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Holder", "Placement", "Wait", "format_bytes", "place"]
+__all__ = ["Claim", "Holder", "Placement", "Wait", "format_bytes", "place"]
 
 Wait = Literal["compiling", "queued", "stopping", "busy", "young"]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one backend takes from a device's budget, and how it may be stopped (from the router's config and sizes)."""
+
+    device: str | None = None  # None: counts nowhere
+    size_bytes: int = 0
+    pinned: bool = False
+    min_residency_s: float = 0.0
+
+
+NO_CLAIM = Claim()
 
 
 @dataclass(frozen=True, slots=True)

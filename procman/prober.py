@@ -42,18 +42,24 @@ class HttpProber:
 
     async def status(self, address: Address, path: str) -> int:
         """The HTTP status of ``GET path``; raises OSError/ValueError when there is no answer."""
+        return (await self._fetch(address, path))[0]
+
+    async def fetch(self, address: Address, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """(status, body) of ``GET path`` (body up to MAX_BODY_BYTES); raises OSError/ValueError/TimeoutError."""
+        return await asyncio.wait_for(self._fetch(address, path), timeout_s)
+
+    async def _fetch(self, address: Address, path: str) -> tuple[int, bytes]:
         reader, writer, host, prefix = await _connect(address)
         try:
             request = f"GET {prefix}{path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: procman\r\nConnection: close\r\n\r\n"
             writer.write(request.encode("latin-1"))
             await writer.drain()
             status = _status_of(await reader.readline())
-            await _skip_rest(reader)  # read the answer before closing: a server must not see a reset
+            return status, await _skip_rest(reader)  # read the answer before closing: no reset for the server
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
-        return status
 
 
 def _status_of(line: bytes) -> int:
@@ -63,14 +69,14 @@ def _status_of(line: bytes) -> int:
     return int(parts[1])
 
 
-async def _skip_rest(reader: asyncio.StreamReader) -> None:
+async def _skip_rest(reader: asyncio.StreamReader) -> bytes:
+    """Read the headers and the body (up to MAX_BODY_BYTES) of an answer; the body."""
     length = 0
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length" and value.strip().isdigit():
             length = int(value.strip())
-    if length:
-        await reader.read(min(length, MAX_BODY_BYTES))
+    return await reader.readexactly(min(length, MAX_BODY_BYTES)) if length else b""
 
 
 async def _connect(address: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, str]:
