@@ -23,7 +23,17 @@ from procman.runtime import Runtime
 from procman.spawner import ProcessHandle
 from procman.spec import BackendSpec, substitute
 
-__all__ = ["Aborted", "Running", "child_command", "kill", "kill_now", "launch", "terminate", "watch"]
+__all__ = [
+    "Aborted",
+    "Running",
+    "child_command",
+    "exit_cause",
+    "kill",
+    "kill_now",
+    "launch",
+    "terminate",
+    "watch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,7 @@ POLL_MAX_S = 0.5  # ...up to this
 CLASH_RETRIES = 5  # ports tried when the child reports its port taken
 KILL_REAP_S = 5.0  # how long a SIGKILLed process may take to be reaped
 TAIL_LINES = 20  # log lines quoted in a failed start
+CAUSE_LINES = 20  # last log lines an exit is classified by
 
 
 @dataclass(slots=True)
@@ -187,6 +198,16 @@ def _quote(message: str, tail: list[str]) -> str:
     if not tail:
         return message + " (it printed nothing)"
     return message + "; last log lines:\n" + "\n".join(tail)
+
+
+def exit_cause(code: int | None, tail: Iterable[str], fatal_patterns: Iterable[str]) -> Literal["fatal", "crash"]:
+    """Why a process died on its own: ``fatal`` when it exited non-zero (or by a signal) and one of
+    its last lines holds one of ``fatal_patterns`` (ignoring case), else ``crash``."""
+    if code == 0:
+        return "crash"
+    lowered = [line.lower() for line in tail]
+    patterns = [p.lower() for p in fatal_patterns if p]
+    return "fatal" if any(p in line for line in lowered for p in patterns) else "crash"
 
 
 async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Running) -> Literal["crash", "hang"]:

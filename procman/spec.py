@@ -76,11 +76,14 @@ class BackendSpec:
     idle_timeout_s: float = 0.0  # 0 = never stop for idleness
     drain_timeout_s: float = 300.0
     policy: RestartPolicy = field(default_factory=RestartPolicy)
+    #: a process that exits non-zero with one of these in its last lines failed fatally, not just crashed
+    fatal_patterns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", FrozenEnv(self.env))
         if self.argv is not None:
             object.__setattr__(self, "argv", tuple(self.argv))
+        object.__setattr__(self, "fatal_patterns", tuple(self.fatal_patterns))
         for problem in self._problems():
             raise ValueError(f"backend {self.name!r}: {problem}")
 

@@ -63,5 +63,6 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
         cwd=str(config_path.parent) if config_path is not None else None,
         url=spec.url,
         transport=_transport(spec, router),  # type: ignore[arg-type]
+        fatal_patterns=spec.fatal_patterns,  # an engine setting the supervisor also reads (exit classification)
         **supervision(spec),
     )

@@ -21,6 +21,7 @@ from procman import (
     backoff_delay,
 )
 from procman.address import is_address_clash, short_name
+from procman.process import exit_cause
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -284,3 +285,21 @@ async def test_http_prober_times_out_on_a_silent_server(tmp_path: Path) -> None:
         gate.set()
         server.close()
         await server.wait_closed()
+
+
+# -- exit classification ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "tail", "cause"),
+    [
+        (134, ["loading", "[GPU] clFinish, error code: -5 ... GPU plugin can't finish correctly"], "fatal"),
+        (-6, ["zeCommandQueueSynchronize failed with code 1879048193"], "fatal"),
+        (1, ["Traceback", "ValueError: bad"], "crash"),
+        (-9, [], "crash"),
+        (0, ["cl_out_of_resources"], "crash"),  # a clean exit is never a device failure
+    ],
+)
+def test_a_non_zero_exit_is_fatal_when_its_last_lines_match(code: int, tail: list[str], cause: str) -> None:
+    patterns = ("CL_OUT_OF_RESOURCES", "error code: -5", "failed with code 1879048193")
+    assert exit_cause(code, tail, patterns) == cause
