@@ -35,6 +35,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "overhead": ("bench.overhead", "Proxy overhead (trivial backend)"),
     "streaming": ("bench.streaming", "Streaming: time to first byte and inter-chunk gap"),
     "model": ("bench.realmodel", "Real model: tokens/s direct vs through the router"),
+    "structured": ("bench.structured", "Constrained decoding: tokens/s with and without structured output"),
     "coldstart": ("bench.coldstart", "Cold start: request to first token for a stopped model"),
     "recovery": ("bench.recovery", "Recovery from a fatal error and from kill -9"),
     "memory": ("bench.memory", "Memory: router and model servers, and what a stop gives back"),
