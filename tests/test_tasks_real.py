@@ -54,9 +54,13 @@ CAT, KITTEN, STOCKS = "A cat sits on the mat.", "A kitten is resting on a rug.",
 
 @pytest.fixture(scope="module")
 def minilm(cache_dir: Path) -> Iterator[ModelServerProcess]:
-    options = {"pooling": "mean", "normalize": True}
-    with serve("minilm", "embeddings", "minilm-ov", cache_dir, options=options) as server:
+    with serve("minilm", "embeddings", "minilm-ov", cache_dir) as server:  # options from its sentence-transformers
         yield server
+
+
+def test_minilm_options_come_from_its_sentence_transformers_files(minilm: ModelServerProcess) -> None:
+    loaded = minilm.wait_log("loaded minilm")
+    assert "pooling=mean normalize=True max_length=256" in loaded  # modules.json, 1_Pooling, sentence_bert_config
 
 
 def test_minilm_ranks_by_meaning_through_the_openai_sdk(minilm: ModelServerProcess) -> None:
@@ -100,6 +104,24 @@ def test_bad_embeddings_settings_fail_the_load_naming_the_key(settings: dict[str
     with modelserver(spec=build_model_spec("bad", raw), wait=False) as server:
         assert server.wait_exit(60) == 1
         assert needle in server.log_text()
+
+
+async def test_minilm_concurrent_requests_share_pipeline_calls_and_keep_their_own_vectors(
+    minilm: ModelServerProcess,
+) -> None:
+    texts = [f"Sentence {i}: {topic}." for i, topic in enumerate([CAT, KITTEN, STOCKS, "hi"] * 4)]
+    async with minilm.async_client() as client:
+        alone = [(await client.post("/v1/embeddings", json={"input": text})).json() for text in texts[:4]]
+        before = (await client.get("/health")).json()
+        answers = await asyncio.gather(*(client.post("/v1/embeddings", json={"input": text}) for text in texts))
+        after = (await client.get("/health")).json()
+    bodies = [answer.json() for answer in answers]
+    assert after["completed"] - before["completed"] < len(texts)  # fewer pipeline calls than requests
+    assert after["largest_batch"] > 1
+    for body, reference in zip(bodies[:4], alone, strict=True):  # padding in a batch leaves each vector as alone
+        assert body["data"][0]["embedding"] == pytest.approx(reference["data"][0]["embedding"], abs=1e-4)
+        assert body["usage"] == reference["usage"]
+    assert all(len(body["data"]) == 1 and body["data"][0]["index"] == 0 for body in bodies)
 
 
 def test_minilm_batch_is_one_pipeline_call(minilm: ModelServerProcess) -> None:

@@ -90,9 +90,17 @@ def seeded() -> None:
 # ----------------------------------------------------------------------------- recipes
 
 
+#: sentence-transformers files the model server reads pooling, normalization and max_length from.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                               "1_Pooling/config.json")
+
+
 def build_minilm(models_dir: Path, out: Path) -> None:
     src = wheel_dir(models_dir, MINILM_WHEEL)
-    export(src, out, "feature-extraction")  # serve it with options: {pooling: mean} (sentence-transformers)
+    export(src, out, "feature-extraction")
+    for name in SENTENCE_TRANSFORMERS_FILES:  # mean pooling + Normalize, detected by the model server
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / name, out / name)
 
 
 def build_rerank(models_dir: Path, out: Path) -> None:
@@ -337,7 +345,7 @@ def build_qwen_tools(models_dir: Path, out: Path) -> None:
 
 RECIPES: dict[str, tuple[int, Builder]] = {
     # name: (recipe version, builder) -- bump the version when a recipe changes so caches rebuild
-    "minilm-ov": (1, build_minilm),
+    "minilm-ov": (2, build_minilm),
     "rerank-tiny-ov": (1, build_rerank),
     "whisper-tiny-en-ov": (1, build_whisper),
     "speecht5-tiny-ov": (2, build_speecht5),

@@ -1,15 +1,20 @@
 """Task ``embeddings`` on OpenVINO: ``openvino_genai.TextEmbeddingPipeline``.
 
-All the inputs of one request go to the pipeline in one ``embed_documents`` call (one
-batched inference, not a loop); requests run one after another on the model's
-:class:`~modelserver.engines.media_base.SerialWorker`. ``usage.prompt_tokens`` counts
-the model's own tokens (the tokenizer's attention mask, capped at ``max_length``).
+Concurrent requests are batched (:mod:`modelserver.engines.batching`): the inputs of the
+requests that meet within ``batch_wait_ms`` (or while a batch runs) go to the pipeline in
+one ``embed_documents`` call on the model's
+:class:`~modelserver.engines.media_base.SerialWorker`, and each request gets its own rows
+back. ``usage.prompt_tokens`` counts the model's own tokens (the tokenizer's attention
+mask, capped at ``max_length``).
 
-``options`` (all optional): ``pooling`` (cls | mean | last_token; sentence-transformers
-models such as all-MiniLM-L6-v2 want ``mean``), ``normalize`` (L2, default true),
+``options`` (all optional): ``pooling`` (cls | mean | last_token), ``normalize`` (L2),
 ``max_length``, ``pad_to_max_length``, ``padding_side``, ``batch_size``,
 ``query_instruction`` and ``embed_instruction`` (prefixes the model was trained with; the
-OpenAI API has no query/document distinction, so inputs are embedded as documents).
+OpenAI API has no query/document distinction, so inputs are embedded as documents),
+``batch_wait_ms`` (default 2) and ``max_batch`` (inputs per pipeline call, default 32).
+``pooling``, ``normalize`` and ``max_length`` default to what the folder's
+sentence-transformers files declare (:mod:`modelserver.engines.st_metadata`), else cls,
+true and none; an explicit option wins.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ import numpy as np
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import EmbeddingResult
+from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions
 from modelserver.engines.media_base import SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
+from modelserver.engines.st_metadata import declared_options
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 
-__all__ = ["OPTIONS", "OpenVINOEmbedder", "load"]
+__all__ = ["OPTIONS", "OpenVINOEmbedder", "batch_options", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +49,30 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "batch_size": int,
     "query_instruction": str,
     "embed_instruction": str,
+    "batch_wait_ms": float,
+    "max_batch": int,
 }
+BATCHING = ("batch_wait_ms", "max_batch")
 POOLING = {"cls": "CLS", "mean": "MEAN", "last_token": "LAST_TOKEN"}
 
+#: One input's answer inside a batch: its vector and its token count.
+Row = tuple[list[float], int]
 
-def pipeline_config(spec: ModelSpec) -> Any:
-    """``options`` as a ``TextEmbeddingPipeline.Config``; :class:`LoadError` naming a bad value."""
-    options = task_options(spec, OPTIONS)
+
+def batch_options(spec: ModelSpec, options: dict[str, Any]) -> BatchOptions:
+    """``batch_wait_ms`` / ``max_batch`` from checked ``options`` (shared with rerank)."""
+    wait_ms = float(options.get("batch_wait_ms", DEFAULT_WAIT_MS))
+    max_batch = int(options.get("max_batch", DEFAULT_MAX_BATCH))
+    if wait_ms < 0 or max_batch < 1:
+        raise LoadError(f"models.{spec.name}.options: batch_wait_ms must be >= 0 and max_batch >= 1")
+    return BatchOptions(wait_ms=wait_ms, max_batch=max_batch)
+
+
+def pipeline_config(spec: ModelSpec, declared: dict[str, Any] | None = None) -> Any:
+    """``options`` over ``declared`` as a ``TextEmbeddingPipeline.Config``; :class:`LoadError` naming a bad value."""
+    options = {**(declared or {}), **task_options(spec, OPTIONS)}
+    for key in BATCHING:
+        options.pop(key, None)
     pooling = str(options.pop("pooling", "cls")).lower()
     if pooling not in POOLING:
         raise LoadError(f"models.{spec.name}.options.pooling: expected one of {', '.join(POOLING)}, got {pooling!r}")
@@ -66,13 +90,16 @@ def pipeline_config(spec: ModelSpec) -> Any:
 class OpenVINOEmbedder:
     """A loaded TextEmbeddingPipeline behind the :class:`~modelserver.engines.base.Embedder` protocol."""
 
-    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, config: Any, load_s: float) -> None:
+    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, config: Any, load_s: float,
+                 batching: BatchOptions | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
         self._tokenizer = tokenizer
         self._config = config
         self._load_s = load_s
         self._worker = SerialWorker(f"embed-{spec.name}")
+        self._batching = batching or BatchOptions()
+        self._batcher: Batcher[str, Row] = Batcher(self._worker, self._embed, self._batching)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -81,39 +108,45 @@ class OpenVINOEmbedder:
             "pooling": self._config.pooling_type.name.lower(),
             "normalize": self._config.normalize,
             "max_length": self._config.max_length,
+            "batch_wait_ms": self._batching.wait_ms,
+            "max_batch": self._batching.max_batch,
             "load_s": round(self._load_s, 2),
         }
 
     def stats(self) -> dict[str, Any]:
-        return self._worker.stats()
+        return {**self._worker.stats(), **self._batcher.stats()}
 
     def close(self) -> None:
         self._worker.close()
 
     async def embed(self, texts: Sequence[str]) -> EmbeddingResult:
-        return await self._worker.run(self._embed, list(texts))
+        rows = await self._batcher.submit(texts)
+        return EmbeddingResult(vectors=[vector for vector, _ in rows], prompt_tokens=sum(count for _, count in rows))
 
-    def _embed(self, texts: list[str]) -> EmbeddingResult:
+    def _embed(self, texts: list[str]) -> list[Row]:
         vectors = self._pipe.embed_documents(texts)
-        return EmbeddingResult(vectors=[list(map(float, v)) for v in vectors], prompt_tokens=self._count(texts))
+        return [(list(map(float, v)), count) for v, count in zip(vectors, self._counts(texts), strict=True)]
 
-    def _count(self, texts: list[str]) -> int:
+    def _counts(self, texts: list[str]) -> list[int]:
         mask = np.asarray(self._tokenizer.encode(texts).attention_mask.data)
         counts = mask.sum(axis=1)
         if self._config.max_length:
             counts = np.minimum(counts, self._config.max_length)
-        return int(counts.sum())
+        return [int(count) for count in counts]
 
 
 def load(spec: ModelSpec) -> OpenVINOEmbedder:
     """Load ``spec`` onto its device; :class:`LoadError` with one readable line when it cannot."""
     started = time.monotonic()
     path = ir_folder(spec)
-    config = pipeline_config(spec)
+    declared = declared_options(path, spec.options)
+    if declared:
+        log.info("%s declares %s (sentence-transformers files; explicit options win)", path, declared)
+    config = pipeline_config(spec, declared)
+    batching = batch_options(spec, spec.options)
     try:
         pipe = ov_genai.TextEmbeddingPipeline(str(path), spec.device, config, **ov_properties(spec))
         tokenizer = ov_genai.Tokenizer(str(path))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOEmbedder(spec, pipe, tokenizer, config, time.monotonic() - started)
-
+    return OpenVINOEmbedder(spec, pipe, tokenizer, config, time.monotonic() - started, batching)

@@ -5,7 +5,12 @@ is applied per request by the api layer, so the pipeline is built to return all 
 ``usage.prompt_tokens`` counts the query once per document plus each document, in the
 model's tokens (special tokens excluded).
 
-``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``.
+Concurrent requests are gathered as for embeddings (:mod:`modelserver.engines.batching`)
+and run in one hop to the model's worker; requests with the same query share one pipeline
+call (the pipeline scores one query per call, so different queries are scored in turn).
+
+``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
+``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from typing import Any
 import numpy as np
 import openvino_genai as ov_genai
 
+from modelserver.engines.batching import Batcher, BatchOptions
+from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
@@ -25,52 +32,86 @@ from modelserver.spec import ModelSpec
 
 __all__ = ["OPTIONS", "OpenVINOReranker", "load"]
 
-OPTIONS: dict[str, type | tuple[type, ...]] = {"max_length": int, "pad_to_max_length": bool, "padding_side": str}
+OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "max_length": int,
+    "pad_to_max_length": bool,
+    "padding_side": str,
+    "batch_wait_ms": float,
+    "max_batch": int,
+}
+
+#: One request: the query and its documents.
+Job = tuple[str, list[str]]
 
 #: ``top_n`` of the pipeline itself: large enough to return every document of any request.
 ALL_DOCUMENTS = 1 << 30
 
 
 class OpenVINOReranker:
-    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, load_s: float) -> None:
+    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, load_s: float,
+                 batching: BatchOptions | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
         self._tokenizer = tokenizer
         self._load_s = load_s
         self._worker = SerialWorker(f"rerank-{spec.name}")
+        self._batching = batching or BatchOptions()
+        self._batcher: Batcher[Job, RerankResult] = Batcher(self._worker, self._rerank_all, self._batching)
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "openvino TextRerankPipeline", "device": self._spec.device, "load_s": round(self._load_s, 2)}
+        return {"engine": "openvino TextRerankPipeline", "device": self._spec.device, "load_s": round(self._load_s, 2),
+                "batch_wait_ms": self._batching.wait_ms, "max_batch": self._batching.max_batch}
 
     def stats(self) -> dict[str, Any]:
-        return self._worker.stats()
+        return {**self._worker.stats(), **self._batcher.stats()}
 
     def close(self) -> None:
         self._worker.close()
 
     async def rerank(self, query: str, documents: Sequence[str]) -> RerankResult:
-        return await self._worker.run(self._rerank, query, list(documents))
+        (result,) = await self._batcher.submit([(query, list(documents))])
+        return result
 
-    def _rerank(self, query: str, documents: list[str]) -> RerankResult:
-        ranking = [(int(index), float(score)) for index, score in self._pipe.rerank(query, documents)]
-        return RerankResult(ranking=ranking, prompt_tokens=self._count(query, documents))
+    def _rerank_all(self, jobs: list[Job]) -> list[RerankResult]:
+        """On the worker: one pipeline call per distinct query, each job's ranking and count split back."""
+        rankings: list[list[tuple[int, float]]] = [[] for _ in jobs]
+        by_query: dict[str, list[int]] = {}
+        for number, (query, _) in enumerate(jobs):
+            by_query.setdefault(query, []).append(number)
+        for query, numbers in by_query.items():
+            documents = [document for number in numbers for document in jobs[number][1]]
+            owner = [(number, offset) for number in numbers for offset in range(len(jobs[number][1]))]
+            for index, score in self._pipe.rerank(query, documents):  # best first, over all these jobs
+                number, offset = owner[int(index)]
+                rankings[number].append((offset, float(score)))
+        counts = self._counts(jobs)
+        return [RerankResult(ranking=ranking, prompt_tokens=count) for ranking, count in zip(rankings, counts,
+                                                                                            strict=True)]
 
-    def _count(self, query: str, documents: list[str]) -> int:
-        mask = np.asarray(self._tokenizer.encode([query, *documents], add_special_tokens=False).attention_mask.data)
-        counts = mask.sum(axis=1)
-        return int(counts[0]) * len(documents) + int(counts[1:].sum())
+    def _counts(self, jobs: list[Job]) -> list[int]:
+        texts = [text for query, documents in jobs for text in (query, *documents)]
+        mask = np.asarray(self._tokenizer.encode(texts, add_special_tokens=False).attention_mask.data)
+        counts, start, totals = mask.sum(axis=1), 0, []
+        for _, documents in jobs:
+            end = start + 1 + len(documents)
+            totals.append(int(counts[start]) * len(documents) + int(counts[start + 1 : end].sum()))
+            start = end
+        return totals
 
 
 def load(spec: ModelSpec) -> OpenVINOReranker:
     started = time.monotonic()
     path = ir_folder(spec, ("openvino_model.xml", "openvino_tokenizer.xml"))
     config = ov_genai.TextRerankPipeline.Config()
-    for key, value in task_options(spec, OPTIONS).items():
-        setattr(config, key, value)
+    options = task_options(spec, OPTIONS)
+    batching = batch_options(spec, options)
+    for key, value in options.items():
+        if key not in BATCHING:
+            setattr(config, key, value)
     config.top_n = ALL_DOCUMENTS
     try:
         pipe = ov_genai.TextRerankPipeline(str(path), spec.device, config, **ov_properties(spec))
         tokenizer = ov_genai.Tokenizer(str(path))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started)
+    return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started, batching)

@@ -1,0 +1,124 @@
+"""Dynamic batching (modelserver/engines/batching.py) with a stand-in pipeline on a real SerialWorker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from modelserver.engines.batching import Batcher, BatchOptions
+from modelserver.engines.media_base import SerialWorker
+
+HOLD_S = 60.0  # a wait no test may sit out: reaching the answer at all proves a request was not held
+
+
+class Pipeline:
+    """Records each call; ``gate`` (when set) keeps a call running until the test opens it."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def __call__(self, items: list[str]) -> list[str]:
+        self.calls.append(list(items))
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if any(item == "bad" for item in items):
+            raise ValueError("bad input")
+        return [item.upper() for item in items]
+
+
+@pytest.fixture
+def worker() -> Iterator[SerialWorker]:
+    pool = SerialWorker("test-batch")
+    yield pool
+    pool.close()
+
+
+async def _busy(pipeline: Pipeline, batcher: Batcher[str, str]) -> asyncio.Task[list[str]]:
+    """Start a first request and return once the pipeline is inside its call, held by the gate."""
+    pipeline.gate = threading.Event()
+    first = asyncio.ensure_future(batcher.submit(["first"]))
+    assert await asyncio.to_thread(pipeline.entered.wait, 10)
+    return first
+
+
+async def test_a_lone_request_is_not_held_for_company(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000))
+    assert await asyncio.wait_for(batcher.submit(["a", "b"]), 10) == ["A", "B"]
+    assert await asyncio.wait_for(batcher.submit(["c"]), 10) == ["C"]
+    assert pipeline.calls == [["a", "b"], ["c"]]
+
+
+async def test_requests_that_meet_while_a_batch_runs_go_together(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
+    first = await _busy(pipeline, batcher)
+    rest = [asyncio.ensure_future(batcher.submit([text])) for text in ("x", "y", "z")]
+    await asyncio.sleep(0)  # let them queue
+    pipeline.gate.set()  # type: ignore[union-attr]
+    assert await first == ["FIRST"]
+    assert [await r for r in rest] == [["X"], ["Y"], ["Z"]]
+    assert pipeline.calls == [["first"], ["x", "y", "z"]]
+    assert batcher.stats() == {"batches": 2, "largest_batch": 3}
+
+
+async def test_max_batch_splits_what_waited(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0, max_batch=2))
+    first = await _busy(pipeline, batcher)
+    rest = [asyncio.ensure_future(batcher.submit(items)) for items in (["a"], ["b"], ["c", "d", "e"])]
+    await asyncio.sleep(0)
+    pipeline.gate.set()  # type: ignore[union-attr]
+    await first
+    assert [await r for r in rest] == [["A"], ["B"], ["C", "D", "E"]]
+    assert pipeline.calls == [["first"], ["a", "b"], ["c", "d", "e"]]  # one request larger than max_batch goes alone
+
+
+async def test_an_idle_model_holds_a_request_for_company_once_traffic_is_concurrent(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000, max_batch=3))
+    first = await _busy(pipeline, batcher)
+    pair = asyncio.gather(batcher.submit(["x"]), batcher.submit(["y"]))
+    await asyncio.sleep(0)
+    pipeline.gate.set()  # type: ignore[union-attr]
+    await first
+    await pair  # the last batch held two requests: the traffic is concurrent
+    waiting = asyncio.ensure_future(batcher.submit(["p"]))  # held: the model waits for company...
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and pipeline.calls[-1] == ["x", "y"]
+    assert await asyncio.wait_for(batcher.submit(["q", "r"]), 10) == ["Q", "R"]  # ...until max_batch inputs
+    assert await waiting == ["P"]
+    assert pipeline.calls[-1] == ["p", "q", "r"]
+
+
+async def test_a_failing_batch_fails_only_the_request_that_caused_it(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
+    first = await _busy(pipeline, batcher)
+    good, bad = asyncio.ensure_future(batcher.submit(["ok"])), asyncio.ensure_future(batcher.submit(["bad"]))
+    await asyncio.sleep(0)
+    pipeline.gate.set()  # type: ignore[union-attr]
+    await first
+    assert await good == ["OK"]
+    with pytest.raises(ValueError, match="bad input"):
+        await bad
+    assert pipeline.calls[1:] == [["ok", "bad"], ["ok"], ["bad"]]
+
+
+async def test_a_request_cancelled_while_waiting_is_left_out(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
+    first = await _busy(pipeline, batcher)
+    gone, kept = asyncio.ensure_future(batcher.submit(["gone"])), asyncio.ensure_future(batcher.submit(["kept"]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    pipeline.gate.set()  # type: ignore[union-attr]
+    await first
+    assert await kept == ["KEPT"]
+    assert pipeline.calls == [["first"], ["kept"]]
