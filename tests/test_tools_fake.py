@@ -205,3 +205,19 @@ async def test_logprobs_cover_every_token_streamed_and_not(sdk: openai.AsyncOpen
         final = await stream.get_final_completion()
     streamed = final.choices[0].logprobs.content if final.choices[0].logprobs else None
     assert streamed is not None and [t.token for t in streamed] == [t.token for t in content]
+
+
+async def test_bodies_and_chunks_validate_against_the_openai_spec(http: httpx.AsyncClient) -> None:
+    from openai_schema import check
+
+    calls = {"messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    check((await http.post("/v1/chat/completions", json=calls)).json(), "CreateChatCompletionResponse")
+    check((await http.post("/v1/chat/completions", json={"messages": ASK, "logprobs": True, "n": 2})).json(),
+          "CreateChatCompletionResponse")
+    streamed = {**calls, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True}
+    for chunk in sse_events((await http.post("/v1/chat/completions", json=streamed)).text):
+        check(chunk, "CreateChatCompletionStreamResponse")
+    completion = {"prompt": "a b", "stream": False}
+    check((await http.post("/v1/completions", json=completion)).json(), "CreateCompletionResponse")
+    bad = await http.post("/v1/chat/completions", json={"messages": ASK, "guided_regex": "(?=a)"})
+    check(bad.json(), "ErrorResponse")
