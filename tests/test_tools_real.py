@@ -60,6 +60,15 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProces
 
 
 @pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProcess]:
+    folder = ROOT / "models" / "llava-tiny-ov"
+    if not (folder / "openvino_language_model.xml").exists():
+        pytest.fail(f"{folder} is missing: run `make test-models`")
+    with serve("llava", folder, tmp_path_factory, task="vlm") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def smollm2(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProcess]:
     with serve("smollm2", demo_gguf, tmp_path_factory) as server:
         yield server
@@ -202,3 +211,27 @@ def test_logprobs_are_one_per_generated_token(qwen: ModelServerProcess) -> None:
     assert len(entries) == answer.usage.completion_tokens == 8
     assert all(e.logprob <= 0.0 for e in entries)
     assert any(e.logprob < 0.0 for e in entries)  # sampled from a real distribution, not a constant
+
+
+def test_vlm_forced_tool_call_and_json_schema_from_random_weights(llava: ModelServerProcess) -> None:
+    """The tiny LLaVA (random weights, a template without tools): tools described in the system message, the
+    call constrained on the VLMPipeline too; a history with a call and its result renders."""
+    history: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+    ]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    with sdk(llava) as client:
+        called = client.chat.completions.create(
+            model="llava", messages=history, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=2,
+        )
+        shaped = client.chat.completions.create(model="llava", messages=ASK, response_format=fmt, temperature=1.0,
+                                                seed=2)
+    calls = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert_valid_call(calls[0], {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS})
+    assert shaped.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), WEATHER)
