@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=False,
         proxy_headers=False,  # the router is the edge; its ProxyHeadersMiddleware costs every request
-        timeout_graceful_shutdown=int(config.router.shutdown_timeout_s) or None,
+        timeout_graceful_shutdown=config.router.shutdown_timeout_s,  # type: ignore[arg-type]  # float works; 0 = none
     )
     return 0
 

@@ -91,17 +91,6 @@ class Config:
     groups: Mapping[str, GroupSpec]
     path: Path | None = None
 
-    def resolve(self, name: str) -> ModelSpec | None:
-        """The model a request names, by its key or one of its aliases."""
-        spec = self.models.get(name)
-        if spec is not None:
-            return spec
-        return next((m for m in self.models.values() if name in m.aliases), None)
-
-    @property
-    def state_dir(self) -> Path:
-        return Path(self.router.state_dir)
-
 
 def _section(data: Mapping[str, Any], key: str, errors: list[str]) -> dict[str, Any]:
     value = data.get(key)

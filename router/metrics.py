@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 __all__ = ["Metrics"]
 
@@ -108,10 +109,9 @@ class Metrics:
         """Drop the per-model series of a model that left the config."""
         self._request_children = {k: v for k, v in self._request_children.items() if k[0] != model}
         self._duration_children.pop(model, None)
-        per_model = (self.loaded, self.in_flight, self.queued, self.ttft, self.itl, self.queue_wait, self.prompt_tokens,
-                     self.completion_tokens, self.rss, self.load_seconds, *self.backend.values())
-        for metric in per_model:
-            try:
-                metric.remove(model)
-            except KeyError:
-                pass
+        for metric in [*vars(self).values(), *self.backend.values()]:
+            # every labelled series whose first label is this model, whatever its other labels (state, reason,
+            # status): prometheus_client lists a metric's children only in its private ``_metrics``
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames[:1] == ("model",):
+                for labels in [key for key in list(metric._metrics) if key[0] == model]:
+                    metric.remove(*labels)

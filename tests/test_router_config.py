@@ -30,7 +30,7 @@ def errors_of(data: dict, base: Path = Path("/tmp")) -> list[str]:
 def test_default_config_file_is_valid() -> None:
     config = load_config(ROOT / "config.yaml")
     assert {"smollm2", "tiny-fake"} <= set(config.models)
-    assert config.resolve("gpt-4o-mini") is config.models["smollm2"]
+    assert "gpt-4o-mini" in config.models["smollm2"].aliases
     assert Path(config.models["smollm2"].path or "").is_absolute()
 
 
@@ -205,3 +205,20 @@ def test_readme_config_reference_matches_the_config_models() -> None:
     readme = (ROOT / "README.md").read_text()
     start, end = readme.index(BEGIN), readme.index(END) + len(END)
     assert readme[start:end] == reference(), "README's config reference is stale: paste `python -m router.docs`"
+
+
+def test_forget_drops_every_series_of_a_removed_model() -> None:
+    from router.metrics import Metrics
+
+    metrics = Metrics()
+    for model in ("gone", "kept"):
+        metrics.state.labels(model, "ready").set(1)
+        metrics.starts.labels(model, "cold", "ok").inc()
+        metrics.restarts.labels(model, "crash").inc()
+        metrics.stops.labels(model, "idle").inc()
+        metrics.cold_start.labels(model).observe(1.0)
+        metrics.loaded.labels(model).set(1)
+        metrics.observe_request(model, 200, 0.1)
+    metrics.forget("gone")
+    text = metrics.render().decode()
+    assert 'model="gone"' not in text and text.count('model="kept"') > 10
