@@ -1,0 +1,232 @@
+"""Resuming a stream whose backend died: what was relayed, what to ask next, how to splice it in.
+
+A streamed chat or completion whose model process dies (or is killed as fatal, hung or
+stalled) mid-generation is continued on the fresh process instead of being cut. The
+router keeps the events it relayed (:class:`StreamLog`, whole events only, so a client
+never holds half an event when the continuation starts); on a death it reads them back
+(:func:`progress`), asks the fresh process to continue the answer
+(:func:`continuation`: for a chat, the text so far as a final assistant message with
+``continue_final_message``; for a completion, prompt + text so far; ``max_tokens`` less
+the tokens already sent) and relays that stream through a :class:`Splice`, which makes
+it look like the rest of the first: the same ``id``, ``created`` and ``model``, no second
+role delta, usage summed.
+
+Only what can be continued faithfully is resumable (:func:`plan`): one choice, no tools,
+no output constraint, no logprobs. Pure functions over bytes and dicts: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Splice", "StreamLog", "continuation", "fatal_event", "plan",
+           "progress"]
+
+Kind = Literal["chat", "completion"]
+
+#: Error events of the model server that mean its process is beyond repair (it exits next).
+FATAL_EVENT_CODES = (b'"engine_fatal"', b'"engine_suspect"')
+_CONSTRAINTS = ("tools", "functions", "response_format", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A stream that may be resumed: its parsed body and what kind of answer it is."""
+
+    kind: Kind
+    body: dict[str, Any]
+    default_max_tokens: int
+
+
+def plan(path: str, body: bytes, default_max_tokens: int, chat_ok: bool = True) -> Plan | None:
+    """The resume plan of a streamed request to ``path``, or None when it cannot be continued faithfully.
+
+    ``chat_ok`` False: the backend is not known to take ``continue_final_message`` (chat is not resumed).
+    """
+    kind: Kind | None = "chat" if path.startswith("/v1/chat/completions") else (
+        "completion" if path.startswith("/v1/completions") else None)
+    if kind is None or (kind == "chat" and not chat_ok):
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("stream") is not True or data.get("n", 1) not in (1, None):
+        return None
+    if data.get("logprobs") or _constrained(data):
+        return None
+    if kind == "completion" and not isinstance(data.get("prompt"), str):
+        return None
+    return Plan(kind, data, default_max_tokens)
+
+
+def _constrained(data: dict[str, Any]) -> bool:
+    """Tools or an output constraint: a continuation from the middle would not honour them."""
+    for key in _CONSTRAINTS:
+        value = data.get(key)
+        if key == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        if value not in (None, [], {}):
+            return True
+    return False
+
+
+class StreamLog:
+    """The SSE events relayed to the client so far; :meth:`cut` lets only whole events through."""
+
+    __slots__ = ("_pending", "sent")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self.sent: list[bytes] = []
+
+    def cut(self, chunk: bytes) -> bytes:
+        """The whole events of ``pending + chunk`` (to send now); the unfinished rest waits for the next chunk."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        whole, self._pending = data[: end + 2], data[end + 2 :]
+        self.sent.append(whole)
+        return whole
+
+    def rest(self) -> bytes:
+        """What is left at the end of an unbroken stream (normally nothing)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+def events(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of ``raw`` SSE text, parsed (``[DONE]`` as the string "[DONE]")."""
+    found: list[Any] = []
+    for block in raw.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                found.append("[DONE]")
+                continue
+            try:
+                found.append(json.loads(payload))
+            except ValueError:
+                continue
+    return found
+
+
+def fatal_event(chunk: bytes) -> bool:
+    """Whether ``chunk`` holds the model server's error event of a fatal (process-ending) engine error."""
+    return b'"error"' in chunk and any(code in chunk for code in FATAL_EVENT_CODES)
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one stream sent before its backend died."""
+
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    text: str = ""
+    tokens: int = 0  # content chunks: one per detokenized step, the tokens sent as near as the router can tell
+    role_sent: bool = False
+    finish: str | None = None
+    done: bool = False
+    usage: dict[str, int] | None = None
+
+
+def progress(log: StreamLog) -> Progress:
+    """Read back what was relayed."""
+    seen = Progress()
+    for event in events(b"".join(log.sent)):
+        if event == "[DONE]":
+            seen.done = True
+            continue
+        if not isinstance(event, dict) or "error" in event:
+            continue
+        if seen.id is None:
+            seen.id, seen.created, seen.model = event.get("id"), event.get("created"), event.get("model")
+        if event.get("usage"):
+            seen.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            seen.role_sent = seen.role_sent or "role" in delta
+            piece = delta.get("content") if "delta" in choice else choice.get("text")
+            if piece:
+                seen.text += piece
+                seen.tokens += 1
+            seen.finish = choice.get("finish_reason") or seen.finish
+    return seen
+
+
+def continuation(p: Plan, seen: Progress) -> dict[str, Any] | None:
+    """The body that asks the fresh process for the rest of the answer; None when nothing is left to generate."""
+    body = dict(p.body)
+    limit_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(limit_key) or p.default_max_tokens
+    left = int(limit) - seen.tokens
+    if left <= 0:
+        return None
+    body[limit_key] = left
+    if p.kind == "completion":
+        body["prompt"] = str(body["prompt"]) + seen.text
+        return body
+    messages = list(body.get("messages") or [])
+    body["messages"] = [*messages, {"role": "assistant", "content": seen.text}]
+    body["continue_final_message"] = True
+    return body
+
+
+@dataclass(slots=True)
+class Splice:
+    """Rewrites the continuation's events into the first stream: same ids, no second role, usage summed."""
+
+    seen: Progress
+    _log: StreamLog = field(default_factory=StreamLog)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The continuation's ``chunk`` as bytes to relay (whole events only)."""
+        whole = self._log.cut(chunk)
+        return self._rewrite(whole) if whole else b""
+
+    def rest(self) -> bytes:
+        rest = self._log.rest()
+        return self._rewrite(rest) if rest else b""
+
+    def _rewrite(self, raw: bytes) -> bytes:
+        out: list[bytes] = []
+        for event in events(raw):
+            if event == "[DONE]":
+                out.append(b"data: [DONE]\n\n")
+                continue
+            if isinstance(event, dict) and "error" not in event:
+                event = self._adopt(event)
+                if event is None:
+                    continue
+            out.append(b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+        return b"".join(out)
+
+    def _adopt(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        seen = self.seen
+        for key in ("id", "created", "model"):
+            if getattr(seen, key) is not None:
+                event[key] = getattr(seen, key)
+        if event.get("usage"):
+            usage = dict(event["usage"])
+            usage["completion_tokens"] = usage.get("completion_tokens", 0) + seen.tokens
+            usage["prompt_tokens"] = max(usage.get("prompt_tokens", 0) - seen.tokens, 0)  # the continuation's
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]  # prompt held the text
+            event["usage"] = usage
+        choices = event.get("choices") or []
+        if seen.role_sent and choices and _role_only(choices[0]):
+            if event.get("usage") is None and len(choices) == 1:
+                return None  # the opening chunk again: the client has it already
+        return event
+
+
+def _role_only(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and "role" in delta and not delta.get("content") and not choice.get("finish_reason")

@@ -1,0 +1,111 @@
+"""Resuming a stream (router/resume.py): whole events only, progress read back, the continuation body,
+and the splice — checked against the fake engine's real SSE output, in process."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from modelserver.app import build_app
+from modelserver.engines.fake import FakeTextGenerator
+from modelserver.spec import build_model_spec
+from router.resume import Splice, StreamLog, continuation, events, fatal_event, plan, progress
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta"
+
+
+def app() -> Any:
+    spec = build_model_spec("fake", {"engine": "fake", "fake": {"token_delay_s": 0, "load_s": 0}})
+    return build_app(spec, FakeTextGenerator(spec))
+
+
+async def post(body: dict[str, Any], path: str = "/v1/chat/completions") -> bytes:
+    transport = httpx.ASGITransport(app=app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://m") as client:
+        return (await client.post(path, json=body)).content
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "fake", "stream": True, "messages": [{"role": "user", "content": WORDS}], **extra}
+
+
+def chat_text(raw: bytes) -> str:
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events(raw) if isinstance(e, dict)
+                   and e.get("choices"))
+
+
+def test_stream_log_lets_only_whole_events_through() -> None:
+    log = StreamLog()
+    assert log.cut(b'data: {"a":1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
+    assert log.cut(b":2}\n") == b""
+    assert log.cut(b"\n") == b'data: {"b":2}\n\n'
+    assert log.rest() == b"" and events(b"".join(log.sent)) == [{"a": 1}, {"b": 2}]
+
+
+def test_only_single_unconstrained_streams_are_resumable() -> None:
+    def resumable(path: str = "/v1/chat/completions", **extra: Any) -> bool:
+        return plan(path, json.dumps(chat_body(**extra)).encode(), 512) is not None
+
+    assert resumable() and resumable(response_format={"type": "text"}, n=1)
+    assert not resumable(stream=False) and not resumable(n=2) and not resumable(logprobs=True)
+    assert not resumable(tools=[{"type": "function", "function": {"name": "f"}}])
+    assert not resumable(response_format={"type": "json_object"}) and not resumable(guided_choice=["a"])
+    assert not resumable("/v1/embeddings")
+    assert plan("/v1/chat/completions", json.dumps(chat_body()).encode(), 512, chat_ok=False) is None
+    completion = {"model": "fake", "stream": True, "prompt": "x"}
+    assert plan("/v1/completions", json.dumps(completion).encode(), 512) is not None
+
+
+async def test_a_chat_stream_cut_after_three_words_resumes_into_the_same_answer() -> None:
+    whole = await post(chat_body(max_tokens=6, stream_options={"include_usage": True}))
+    log = StreamLog()
+    for event in whole.split(b"\n\n")[:4]:  # the opening chunk and three words reached the client
+        log.cut(event + b"\n\n")
+    seen = progress(log)
+    assert seen.text == "alpha beta gamma" and seen.tokens == 3 and seen.role_sent and not seen.done
+    plan_ = plan("/v1/chat/completions", json.dumps(chat_body(max_tokens=6, stream_options={"include_usage": True}))
+                 .encode(), 512)
+    assert plan_ is not None
+    body = continuation(plan_, seen)
+    assert body is not None and body["max_tokens"] == 3 and body["continue_final_message"] is True
+    assert body["messages"][-1] == {"role": "assistant", "content": "alpha beta gamma"}
+    splice = Splice(seen)
+    rest = splice.feed(await post(body)) + splice.rest()
+    client_saw = b"".join(log.sent) + rest
+    assert chat_text(client_saw) == chat_text(whole) == "alpha beta gamma delta epsilon zeta"
+    parsed = [e for e in events(client_saw) if isinstance(e, dict)]
+    assert {e["id"] for e in parsed} == {seen.id} and {e["created"] for e in parsed} == {seen.created}
+    assert sum("role" in c.get("delta", {}) for e in parsed for c in e["choices"]) == 1
+    assert events(client_saw).count("[DONE]") == 1
+    usage = [e["usage"] for e in parsed if e.get("usage")]
+    assert usage == [e["usage"] for e in events(whole) if isinstance(e, dict) and e.get("usage")]  # summed back
+
+
+async def test_a_completion_resumes_with_prompt_plus_text() -> None:
+    original = {"model": "fake", "stream": True, "prompt": WORDS, "max_tokens": 5}
+    whole = await post(original, "/v1/completions")
+    log = StreamLog()
+    for event in whole.split(b"\n\n")[:2]:
+        log.cut(event + b"\n\n")
+    seen = progress(log)
+    plan_ = plan("/v1/completions", json.dumps(original).encode(), 512)
+    assert plan_ is not None
+    body = continuation(plan_, seen)
+    assert body is not None and body["prompt"] == WORDS + seen.text and body["max_tokens"] == 3
+    assert seen.text == "alpha beta"
+
+
+def test_nothing_left_to_generate_gives_no_continuation() -> None:
+    plan_ = plan("/v1/chat/completions", json.dumps(chat_body(max_tokens=2)).encode(), 512)
+    assert plan_ is not None
+    log = StreamLog()
+    log.cut(b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+            b'data: {"id":"x","choices":[{"index":0,"delta":{"content":" b"}}]}\n\n')
+    assert continuation(plan_, progress(log)) is None
+
+
+def test_a_fatal_error_event_is_recognised() -> None:
+    fatal = b'data: {"error":{"message":"engine failed beyond repair","code":"engine_fatal"}}\n\n'
+    assert fatal_event(fatal) and not fatal_event(fatal.replace(b"engine_fatal", b"engine_error"))
