@@ -106,8 +106,8 @@ class ClientApi:
         await asyncio.wait({task, began}, timeout=BEGIN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.result() is not None:
             exc = task.result()
-            raise ServiceUnavailable(f"model {model.spec.name!r} cannot load now: {exc.reason}",
-                                     retry_after_s=exc.retry_after_s)
+            raise ServiceUnavailable(f"model {model.spec.name!r} cannot load now: {_one_line(exc.reason)}; its log: "
+                                     f"GET /api/models/{model.spec.name}/logs", retry_after_s=exc.retry_after_s)
         return JSONResponse({"success": True})
 
     async def unload(self, request: Request) -> Response:
@@ -175,6 +175,12 @@ class ClientApi:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.bus.close()
+
+
+def _one_line(reason: str) -> str:
+    """A start failure's reason without the log tail procman appends (client messages are one line)."""
+    line = reason.split("; last log lines", 1)[0].splitlines()[0] if reason else "unknown reason"
+    return line + ")" * max(0, line.count("(") - line.count(")"))
 
 
 def _sse(event: dict[str, Any]) -> bytes:

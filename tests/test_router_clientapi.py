@@ -118,6 +118,8 @@ async def test_a_failed_load_is_status_failed_and_unload_clears_it(tmp_path: Pat
             assert (await events.until("broken", "failed"))[-1] == "failed"
         assert again.status_code == 503 and again.headers.get("retry-after")  # in backoff: says when to retry
         assert again.json()["error"]["code"] == "model_unavailable"
+        message = again.json()["error"]["message"]
+        assert "\n" not in message and "backing off" in message and "/api/models/broken/logs" in message
         unload = await router.client.post("/models/unload", json={"model": "broken"})
         assert unload.json() == {"success": True}
         assert await events.until("broken", "unloaded") == ["unloaded"]
