@@ -19,6 +19,7 @@ BACKEND_GAUGES = {
     "running": ("ovrouter_backend_running_requests", "generations running inside the model server"),
     "scheduled_requests": ("ovrouter_backend_scheduled_requests", "requests the pipeline scheduled in its last step"),
     "cache_usage": ("ovrouter_backend_kv_cache_usage_ratio", "KV-cache blocks in use, 0..1 (continuous batching)"),
+    "cache_bytes": ("ovrouter_backend_kv_cache_bytes", "KV-cache memory the pipeline allocated"),
     "device_memory_bytes": ("ovrouter_model_device_memory_bytes", "device memory in use, when the device reports it"),
 }
 

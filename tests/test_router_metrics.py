@@ -219,3 +219,23 @@ async def test_ovrouter_status_prints_the_figures(tmp_path: Path, capsys: pytest
     assert m[1] == "ready" and m[2].isdigit() and m[4].endswith("M")  # state, pid, RSS in MiB
     assert "1 manual:1" in rows["m"] and rows["m"].endswith("start:manual")  # restarts by reason, last reason
     assert rows["idle"].split()[1:3] == ["stopped", "-"]
+
+
+@pytest.mark.real_model
+@pytest.mark.timeout(600)
+async def test_the_real_pipeline_reports_kv_cache_figures(tmp_path: Path, demo_gguf: Path) -> None:
+    models = {"smollm2": {"task": "llm", "engine": "openvino", "path": str(demo_gguf), "device": "CPU",
+                          "save_ov_model": True, "startup_timeout_s": 300}}
+    config = write_config(tmp_path, models, router={"cache_dir": str(tmp_path / "ov-cache")})
+    async with running_router(config) as router:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 8,
+                "stream": True, "stream_options": {"include_usage": True}}
+        lines = await _sse_lines(router.client, body)
+        usage = [json.loads(line[6:])["usage"] for line in lines if line.startswith("data: {") and '"usage":{' in line]
+        samples = _samples((await router.client.get("/metrics")).text)
+        assert _value(samples, "ovrouter_backend_kv_cache_bytes", model="smollm2") > 0
+        assert 0 <= _value(samples, "ovrouter_backend_kv_cache_usage_ratio", model="smollm2") <= 1
+        assert ("ovrouter_backend_scheduled_requests", (("model", "smollm2"),)) in samples
+        assert _value(samples, "ovrouter_time_to_first_token_seconds_count", model="smollm2") == 1
+        assert _value(samples, "ovrouter_completion_tokens_total", model="smollm2") == usage[-1]["completion_tokens"]
+        assert _value(samples, "ovrouter_prompt_tokens_total", model="smollm2") == usage[-1]["prompt_tokens"]

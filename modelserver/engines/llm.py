@@ -63,6 +63,14 @@ class Ticket:
     logprobs: list[float] | None = None  # each generated token's, when the request asked for them
 
 
+def pipeline_figures(metrics: Any) -> dict[str, Any]:
+    """What /health reports of the continuous-batching pipeline (the router relabels it as metrics)."""
+    if metrics is None:
+        return {}
+    return {"scheduled_requests": int(metrics.scheduled_requests), "cache_usage": float(metrics.cache_usage) / 100,
+            "cache_bytes": int(metrics.cache_size_in_bytes)}
+
+
 class Pump:
     """The one thread that calls the pipeline: ``add_request``, ``step``, ``read``, ``cancel``."""
 
@@ -75,6 +83,7 @@ class Pump:
         self._broken = False
         self.completed = 0
         self.cancelled = 0
+        self.metrics: Any = None  # the pipeline's PipelineMetrics after the last step (read by /health)
         self._thread = threading.Thread(target=self._run, name="ov-pump", daemon=True)
 
     @property
@@ -119,6 +128,7 @@ class Pump:
             self._wake.clear()
             return
         self._pipe.step()
+        self.metrics = self._pipe.get_metrics()
         self._broken = False
         self._publish()
 
@@ -273,7 +283,8 @@ class OpenVINOTextGenerator:
         }
 
     def stats(self) -> dict[str, Any]:
-        return {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled}
+        figures = {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled}
+        return {**figures, **pipeline_figures(self._pump.metrics)}
 
     def close(self) -> None:
         self._pump.stop()
