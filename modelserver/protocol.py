@@ -273,6 +273,20 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+#: Token-id input is refused: a client's ids (LangChain's OpenAIEmbeddings sends tiktoken ids by default) are
+#: not this model's tokens, and decoding them with this model's tokenizer would embed silently wrong text.
+TOKEN_ARRAYS = (
+    "token-id arrays are not supported: send the text (this model's tokenizer is not the client's; "
+    "with LangChain, OpenAIEmbeddings(..., check_embedding_ctx_length=False) sends text)"
+)
+
+
+def _token_ids(value: Any) -> bool:
+    items = value if isinstance(value, list) else []
+    return bool(items) and all(isinstance(i, int) or (isinstance(i, list) and bool(i) and isinstance(i[0], int))
+                               for i in items)
+
+
 class EmbeddingRequest(_Request):
     model: str | None = None
     input: str | list[str]
@@ -285,7 +299,7 @@ class EmbeddingRequest(_Request):
     def _input_shape(cls, value: Any) -> Any:
         if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(s, str) for s in value)):
             return value
-        raise ValueError("must be a string or a non-empty list of strings (token arrays are not supported)")
+        raise ValueError(TOKEN_ARRAYS if _token_ids(value) else "must be a string or a non-empty list of strings")
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
