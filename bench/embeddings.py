@@ -1,4 +1,4 @@
-"""Embeddings per second for batches of 1, 16 and 64 short texts: bare pipeline vs model server vs router.
+"""Embeddings per second: bare pipeline vs model server vs router, by batch and by concurrent clients.
 
 - **bare pipeline**: ``openvino_genai.TextEmbeddingPipeline`` in this process, ``embed_documents(batch)``;
 - **model server**: ``python -m modelserver`` on TCP, ``POST /v1/embeddings`` with the batch as ``input``
@@ -6,8 +6,11 @@
 - **router**: ``ovrouter serve`` in front of the same model server (UDS to the backend).
 
 Model: ``models/minilm-ov`` (all-MiniLM-L6-v2, built by ``make test-models``), mean pooling, CPU.
-Each figure is the best of a few timed windows after a warm-up call; requests are sequential
-(one client), so the figures compare per-request overheads, not concurrency.
+The first table sends batches of 1, 16 and 64 texts from one client (per-request overheads);
+the second has 1, 4, 16 and 64 concurrent clients each sending one text per request, the way
+RAG indexers and LangChain do, which the model server's dynamic batching gathers into shared
+pipeline calls; its baseline is the bare pipeline fed batches of that many texts. Each figure
+is the best of a few timed windows after a warm-up.
 
 ``python -m bench.embeddings [--quick]`` prints the markdown table; ``make bench`` calls :func:`run`.
 """
@@ -15,7 +18,9 @@ Each figure is the best of a few timed windows after a warm-up call; requests ar
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MODEL_DIR = ROOT / "models" / "minilm-ov"
 BATCHES = (1, 16, 64)
+CLIENTS = (1, 4, 16, 64)
+TARGET_16_CLIENTS = 0.9
 OPTIONS = {"pooling": "mean", "normalize": True}
 TOPICS = ("cats", "the weather", "stock markets", "football", "cooking", "trains", "music", "the sea")
 
@@ -57,14 +64,47 @@ def rate(call: Callable[[list[str]], object], batch: int, window_s: float, windo
     return best
 
 
-def bare_rates(window_s: float, windows: int) -> dict[int, float]:
+def bare_rates(window_s: float, windows: int, batches: tuple[int, ...] = BATCHES) -> dict[int, float]:
     import openvino_genai as ov_genai
 
     config = ov_genai.TextEmbeddingPipeline.Config()
     config.pooling_type = ov_genai.TextEmbeddingPipeline.PoolingType.MEAN
     config.normalize = True
+    config.max_length = 256  # what the model's sentence_bert_config.json declares, as the model server reads it
     pipe = ov_genai.TextEmbeddingPipeline(str(MODEL_DIR), "CPU", config)
-    return {batch: rate(pipe.embed_documents, batch, window_s, windows) for batch in BATCHES}
+    return {batch: rate(pipe.embed_documents, batch, window_s, windows) for batch in batches}
+
+
+async def _clients_window(url: str, clients: int, window_s: float) -> float:
+    """Embeddings/s of ``clients`` closed-loop clients, one text per request, over one window."""
+    import aiohttp
+
+    inputs = texts(clients)
+    done = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
+
+        async def client(text: str, until: float) -> None:
+            nonlocal done
+            while time.perf_counter() < until:
+                body = {"model": "minilm", "input": text, "encoding_format": "base64"}
+                async with session.post(url + "/v1/embeddings", json=body) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"embeddings answered {response.status}")
+                done += 1
+
+        await asyncio.gather(*(client(text, time.perf_counter() + 0.3) for text in inputs))  # warm-up
+        done = 0
+        started = time.perf_counter()
+        await asyncio.gather(*(client(text, started + window_s) for text in inputs))
+        return done / (time.perf_counter() - started)
+
+
+def client_rates(url: str, window_s: float, windows: int) -> dict[int, float]:
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return {n: max(runner.run(_clients_window(url, n, window_s)) for _ in range(windows)) for n in CLIENTS}
 
 
 def http_rates(url: str, model: str, window_s: float, windows: int) -> dict[int, float]:
@@ -79,17 +119,22 @@ def http_rates(url: str, model: str, window_s: float, windows: int) -> dict[int,
         return {batch: rate(call, batch, window_s, windows) for batch in BATCHES}
 
 
-def model_server_rates(procs: Procs, window_s: float, windows: int) -> dict[int, float]:
+def model_server_rates(procs: Procs, window_s: float, windows: int,
+                       options: dict[str, Any] | None = None) -> tuple[dict[int, float], dict[int, float], Any]:
+    """(emb/s by batch, emb/s by concurrent clients, the server's /health after) of one model server."""
     from modelserver.spec import SPEC_ENV, build_model_spec
 
-    spec = build_model_spec("minilm", {"task": "embeddings", "path": str(MODEL_DIR), "options": OPTIONS})
+    raw = {"task": "embeddings", "path": str(MODEL_DIR), "options": {**OPTIONS, **(options or {})}}
+    spec = build_model_spec("minilm", raw)
     port = free_port()
     proc = procs.spawn("modelserver-minilm", [sys.executable, "-m", "modelserver", "--model", "minilm", "--port",
                                               str(port)], env={SPEC_ENV: spec.to_env()})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", proc, timeout_s=120)
-        return http_rates(url, "minilm", window_s, windows)
+        by_batch = http_rates(url, "minilm", window_s, windows)
+        by_clients = client_rates(url, window_s, windows)
+        return by_batch, by_clients, httpx.get(url + "/health").json()
     finally:
         procs.stop(proc)
 
@@ -125,24 +170,42 @@ def markdown(spec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def clients_table(bare: dict[int, float], server: dict[int, float], unbatched: dict[int, float] | None,
+                  health: dict[str, Any]) -> dict[str, Any]:
+    headers = ["clients x 1 text", "bare pipeline, batch = clients (emb/s)", "model server (emb/s)", "server / bare",
+               "server, batch_wait_ms 0 (emb/s)"]
+    rows = [[n, round(bare[n], 1), round(server[n], 1), _ratio(server[n], bare[n]),
+             round(unbatched[n], 1) if unbatched else "-"] for n in CLIENTS]
+    caption = (f"closed-loop clients, one text per request; the default server (batch_wait_ms 2) ran "
+               f"{health.get('batches')} batched pipeline calls in all, the largest of {health.get('largest_batch')} "
+               "texts")
+    return {"headers": headers, "rows": rows, "caption": caption}
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     if not (MODEL_DIR / "openvino_model.xml").exists():
         raise SectionSkipped(f"{MODEL_DIR.relative_to(ROOT)} is missing: run `make test-models`")
     window_s, windows = (0.2, 1) if quick else (2.0, 3)
-    notes: list[str] = []
+    notes: list[str] = [f"load average at the section's start: {os.getloadavg()[0]:.2f}"]
     with tempfile.TemporaryDirectory(prefix="bench-embeddings-") as folder, Procs(Path(folder) / "logs") as procs:
-        bare = bare_rates(window_s, windows)
-        server = model_server_rates(procs, window_s, windows)
+        bare = bare_rates(window_s, windows, tuple(sorted(set(BATCHES) | set(CLIENTS))))
+        server, server_clients, health = model_server_rates(procs, window_s, windows)
+        _, no_wait, _ = model_server_rates(procs, window_s, windows, {"batch_wait_ms": 0})
         router: dict[int, float] | None = None
         try:
             router = router_rates(procs, Path(folder), window_s, windows)
         except (SectionSkipped, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"router column skipped: {exc}".splitlines()[0])
     result = table(bare, server, router)
+    concurrent = clients_table(bare, server_clients, no_wait, health)
+    value = server_clients[16] / bare[16]
+    notes.append(f"Target 16 clients x 1 text >= {TARGET_16_CLIENTS}x the bare pipeline fed batches of 16: "
+                 f"{'met' if value >= TARGET_16_CLIENTS else 'MISSED'} ({value:.2f}x).")
     if quick:
         notes.append("quick mode: one short window per figure; the numbers mean little")
-    return {"intro": (__doc__ or "").split("\n\n")[1], "tables": [result], "markdown": "", "notes": notes,
-            "raw": {"bare": bare, "model_server": server, "router": router}}
+    return {"intro": (__doc__ or "").split("\n\n")[1], "tables": [result, concurrent], "markdown": "",
+            "notes": notes, "raw": {"bare": bare, "model_server": server, "router": router,
+                                    "model_server_clients": server_clients, "no_wait_clients": no_wait}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     result = run(args.quick)
-    print(markdown(result["tables"][0]))
+    for spec in result["tables"]:
+        print(markdown(spec) + "\n")
     for note in result["notes"]:
         print(f"\n- {note}")
     return 0
