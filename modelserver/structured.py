@@ -34,6 +34,7 @@ __all__ = [
     "json_grammar",
     "ov_structured_output",
     "schema_grammar",
+    "strict_tools_grammar",
     "tool_call_grammar",
 ]
 
@@ -60,11 +61,19 @@ class TagSpec:
 
 @dataclass(frozen=True, slots=True)
 class ToolGrammar:
-    """A forced tool call: ``one`` of the tags, ``many`` (one or more, ``separator`` between)."""
+    """Tool calls: ``one`` of the tags, ``many`` (one or more, ``separator`` between), or ``triggered``: free
+    text until ``trigger`` starts a call, which then must be one of the tags (``tool_choice: auto`` with strict
+    tools); ``forced`` tells the fake engine whether a call is a must."""
 
     tags: tuple[TagSpec, ...]
-    mode: Literal["one", "many"] = "one"
+    mode: Literal["one", "many", "triggered"] = "one"
     separator: str = "\n"
+    trigger: str = ""
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode != "triggered"
 
 
 Constraint = Grammar | ToolGrammar
@@ -357,7 +366,19 @@ def tool_call_grammar(parser: str, functions: list[dict[str, Any]], parallel: bo
     JSON call (``;`` between several), which their parsers accept too.
     """
     tags = tuple(_call_tag(parser, f["name"], f.get("parameters")) for f in functions)
-    return ToolGrammar(tags, "many" if parallel else "one", "\n" if parser == "hermes" else ";")
+    return ToolGrammar(tags, "many" if parallel else "one", "\n" if parser == "hermes" else ";", parallel=parallel)
+
+
+def strict_tools_grammar(parser: str, functions: list[dict[str, Any]], parallel: bool) -> ToolGrammar | None:
+    """``tool_choice: auto`` with ``strict`` functions: free text, but a call once begun matches its schema.
+
+    Only for Hermes, whose calls open with a marker (``<tool_call>``); the bare-JSON families
+    have no marker that tells a call from text, so they stay unconstrained.
+    """
+    if parser != "hermes" or not any(f.get("strict") for f in functions):
+        return None
+    tags = tuple(_call_tag(parser, f["name"], f.get("parameters")) for f in functions)
+    return ToolGrammar(tags, "triggered", trigger="<tool_call>", parallel=parallel)
 
 
 # -- OpenVINO ---------------------------------------------------------------------------------
@@ -382,6 +403,10 @@ def ov_structured_output(constraint: Constraint) -> Any:
     tags = [so.Tag(t.begin, _ov_grammar(so, t.arguments), t.end) for t in constraint.tags]
     if constraint.mode == "many":
         return so(structural_tags_config=so.TagsWithSeparator(tags, constraint.separator, at_least_one=True))
+    if constraint.mode == "triggered":
+        triggered = so.TriggeredTags([constraint.trigger], tags, at_least_one=False,
+                                     stop_after_first=not constraint.parallel)
+        return so(structural_tags_config=triggered)
     return so(structural_tags_config=tags[0] if len(tags) == 1 else so.Union(tags))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from modelserver.structured import example_of, json_grammar, schema_grammar, tool_call_grammar
+from modelserver.structured import example_of, json_grammar, schema_grammar, strict_tools_grammar, tool_call_grammar
 from modelserver.tools import ToolStreamSplitter, detect_parser, parse_tool_calls, template_takes_tools
 
 
@@ -109,3 +109,12 @@ def test_tool_call_grammar_per_family() -> None:
     llama = tool_call_grammar("llama3_json", functions, parallel=True)
     assert llama.mode == "many" and llama.separator == ";"
     assert llama.tags[0].begin == '{"name": "f", "parameters": '
+
+
+def test_strict_tools_constrain_auto_calls_only_for_hermes() -> None:
+    strict = [{"name": "f", "strict": True, "parameters": {"type": "object", "properties": {}}}]
+    grammar = strict_tools_grammar("hermes", strict, parallel=False)
+    assert grammar is not None and grammar.mode == "triggered" and not grammar.forced
+    assert grammar.trigger == "<tool_call>" and grammar.tags[0].begin.startswith(grammar.trigger)
+    assert strict_tools_grammar("hermes", [{"name": "f"}], parallel=False) is None  # not strict: free
+    assert strict_tools_grammar("llama3_json", strict, parallel=False) is None  # no marker to trigger on

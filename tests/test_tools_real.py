@@ -235,3 +235,17 @@ def test_vlm_forced_tool_call_and_json_schema_from_random_weights(llava: ModelSe
     assert_valid_call(calls[0], {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS})
     assert shaped.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(shaped.choices[0].message.content or ""), WEATHER)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_auto_with_strict_tools_answers_text_or_valid_calls(qwen: ModelServerProcess, seed: int) -> None:
+    """Free text until the model opens a <tool_call>; from there the call must match its schema."""
+    with sdk(qwen) as client:
+        answer = client.chat.completions.create(
+            model="qwen", messages=ASK, tools=TOOLS, tool_choice="auto", temperature=1.0, seed=seed, max_tokens=48
+        )
+    choice = answer.choices[0]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in choice.message.tool_calls or []:
+        assert_valid_call(call, schemas)
+    assert choice.message.tool_calls or choice.message.content

@@ -59,6 +59,7 @@ from modelserver.structured import (
     choice_grammar,
     json_grammar,
     regex_grammar,
+    strict_tools_grammar,
     tool_call_grammar,
 )
 from modelserver.textstream import StopMatcher
@@ -173,10 +174,11 @@ def chat_plan(body: ChatCompletionRequest, parser: str) -> tuple[tuple[dict[str,
         )
     tools = tuple(tool.model_dump(exclude_none=True) for tool in body.tools or ())
     functions = [tool["function"] for tool in tools]
-    if mode == "auto":
-        return tools, _output_constraint(body), True
-    forced = functions if mode == "required" else [f for f in functions if f["name"] == mode]
     try:
+        if mode == "auto":
+            strict = strict_tools_grammar(parser, functions, body.parallel_tool_calls)
+            return tools, _output_constraint(body) or strict, True
+        forced = functions if mode == "required" else [f for f in functions if f["name"] == mode]
         return tools, tool_call_grammar(parser, forced, body.parallel_tool_calls and mode == "required"), True
     except GrammarError as exc:
         raise RequestError(f"tools: a function's parameters: {exc}", param="tools") from None

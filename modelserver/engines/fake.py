@@ -212,7 +212,7 @@ def _call_text(tag: TagSpec) -> str:
 def structured_answer(request: GenerationRequest, parser: str) -> str | None:
     """The fake's answer to tools and output constraints; None: echo as usual."""
     constraint = request.constraint
-    if isinstance(constraint, ToolGrammar):
+    if isinstance(constraint, ToolGrammar) and constraint.forced:
         return _call_text(constraint.tags[0])
     turns = request.messages or ()
     if request.tools and turns and turns[-1].role == "user" and "[[tool]]" in turns[-1].content:
