@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,16 +14,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from router.body import model_of, read_body, too_large
+from router import request
 from router.clientapi import ClientApi
 from router.config import Config
 from router.cors import Cors
-from router.errors import BadRequest, ModelNotFound, NotFound, RouterError, error_body, error_response
+from router.errors import NotFound, RouterError, error_body, error_response
 from router.events import EventBus
 from router.management import management_routes
 from router.modelstatus import StatusBus
-from router.proxy import ProxyRequest, forward, run_until_disconnect, send_error, upstream_headers
+from router.proxy import forward
 from router.registry import Model
+from router.relay import run_until_disconnect, send_error
+from router.request import ProxyRequest
 from router.service import RouterService, check_key
 from router.ui_routes import console_routes
 
@@ -44,21 +45,6 @@ OPENAI_ROUTES = (
 )
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
-
-
-def _content_length(scope: Scope) -> int | None:
-    value = _header(scope, b"content-length")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        raise BadRequest(f"Content-Length is not a number: {value!r}") from None
-
-
 class _ProxyEndpoint:
     """Raw ASGI endpoint: the hot path avoids building Request/Response objects."""
 
@@ -69,12 +55,12 @@ class _ProxyEndpoint:
         started = time.perf_counter()
         name, status = "-", 500
         try:
-            check_key(_header(scope, b"authorization"), self.service.config.router.api_keys, "api_keys")
+            check_key(request.header(scope, b"authorization"), self.service.config.router.api_keys, "api_keys")
             model, req = await self.prepare(scope, receive)
             name = model.spec.name
-            activity, pool = self.service.console.activity, self.service.pool
+            activity, pool, client = self.service.console.activity, self.service.pool, request.client_of(scope)
             status, gone = await run_until_disconnect(
-                lambda s: activity.run(model, req, _client(scope), s, lambda s2: forward(model, req, pool, s2)),
+                lambda s: activity.run(model, req, client, s, lambda s2: forward(model, req, pool, s2)),
                 receive, send,
             )
             if gone:
@@ -93,48 +79,14 @@ class _ProxyEndpoint:
             self.service.metrics.observe_request(name, status, elapsed_s)
 
     async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
-        registry = self.service.registry
-        body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
-        routed = model_of(body, _header(scope, b"content-type") or "application/json", registry.models)
-        model = self.service.registry.resolve(routed.model)
-        if model is None:
-            raise _unknown_model(routed.model, registry.models)
-        if len(body) > model.spec.max_request_bytes:
-            raise too_large(model.spec.max_request_bytes, f"request body for model {model.spec.name!r}")
-        path = scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else "")
-        headers = upstream_headers(scope["headers"], _client(scope))
-        return model, ProxyRequest(scope["method"], path, headers, body, retryable=not routed.stream)
+        return await request.proxied(scope, receive, self.service.registry)
 
 
 class _UpstreamEndpoint(_ProxyEndpoint):
     """``/upstream/{model}/{path}``: any method and path, raw, to one configured backend."""
 
     async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
-        registry = self.service.registry
-        params = scope.get("path_params", {})
-        model = registry.resolve(params.get("model", ""))
-        if model is None:
-            raise _unknown_model(params.get("model", ""), registry.models)
-        body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
-        raw = scope.get("raw_path") or scope["path"].encode("latin-1")  # as sent: %-escapes kept
-        parts = raw.split(b"/", 3)  # b"", b"upstream", model, rest
-        path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "")
-        if scope["query_string"]:
-            path += "?" + scope["query_string"].decode("latin-1")
-        # raw pass-through for debugging: never retried, whatever the method
-        return model, ProxyRequest(scope["method"], path, upstream_headers(scope["headers"], _client(scope)), body,
-                                   retryable=False)
-
-
-def _client(scope: Scope) -> str | None:
-    client = scope.get("client")
-    return str(client[0]) if client else None
-
-
-def _unknown_model(name: str, known: Any) -> ModelNotFound:
-    return ModelNotFound(
-        f"model {name!r} is not configured; known models: {', '.join(sorted(known)) or 'none'}", param="model"
-    )
+        return await request.raw(scope, receive, self.service.registry)
 
 
 def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:

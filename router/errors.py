@@ -22,6 +22,8 @@ import math
 
 from starlette.responses import Response
 
+from procman import BackendUnavailable, InBackoff
+
 __all__ = [
     "BadGateway",
     "BadRequest",
@@ -35,6 +37,7 @@ __all__ = [
     "Unauthorized",
     "error_body",
     "error_response",
+    "unavailable",
 ]
 
 
@@ -102,3 +105,15 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
 def error_response(exc: RouterError) -> Response:
     body = error_body(exc.message, exc.type, exc.code, exc.param)
     return Response(body, status_code=exc.status, headers=exc.headers())
+
+
+#: Retry-After of a model in backoff whose error did not say how long (it always should).
+BACKOFF_RETRY_AFTER_S = 5.0
+
+
+def unavailable(model: str, exc: BackendUnavailable, what: str = "is unavailable") -> ServiceUnavailable:
+    """The one mapping of procman's "no process to talk to" to HTTP: 503, with Retry-After when known."""
+    retry = exc.retry_after_s
+    if retry is None and isinstance(exc, InBackoff):
+        retry = BACKOFF_RETRY_AFTER_S
+    return ServiceUnavailable(f"model {model!r} {what}: {exc.reason}", retry_after_s=retry)

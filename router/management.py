@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from procman import BackendUnavailable
-from router.errors import BadRequest, ModelNotFound, ServiceUnavailable
+from router.errors import BadRequest, ModelNotFound, unavailable
 from router.registry import Model
 from router.service import RouterService, check_key
 
@@ -52,8 +52,7 @@ def management_routes(service: RouterService) -> list[Route]:
         try:
             await model.backend.ensure_ready()
         except BackendUnavailable as exc:
-            raise ServiceUnavailable(f"model {model.spec.name!r} failed to load: {exc.reason}",
-                                     retry_after_s=exc.retry_after_s) from None
+            raise unavailable(model.spec.name, exc, "failed to load") from None
         return JSONResponse(_row(service, model.spec.name))
 
     async def unload(request: Request) -> Response:

@@ -1,18 +1,14 @@
-"""Forwarding one request to a model's backend and relaying the answer chunk by chunk.
+"""Forwarding one request to a model's backend: admission, lease, exchange, retry.
 
-The flow of a proxied request::
+The flow of a proxied request (see router/request.py for how it is built and
+router/relay.py for how the answer reaches the client)::
 
     limiter slot (429 when the queue is full)
       -> backend.request()  (procman: cold start / wait for ready, in-flight guard)
         -> upstream request, first byte within request_timeout_s
           -> X-Backend-Fatal: 1 or a dead process: restart the backend; a non-streamed
              request with nothing sent yet is retried once on the fresh process
-          -> relay: headers, then each chunk as it arrives (never buffered); silence
-             longer than stream_idle_timeout_s ends the stream with an error event
-
-The whole exchange runs in a task raced against the client's disconnect: a client that
-goes away cancels it, and the upstream connection is closed in a ``finally`` so the model
-server sees the disconnect and cancels the generation.
+          -> relay: headers, then each chunk as it arrives (router.relay)
 """
 
 from __future__ import annotations
@@ -20,81 +16,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
-from starlette.types import Message, Receive, Send
+from starlette.types import Send
 
-from procman import BackendUnavailable, InBackoff, Lease
-from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, error_body
+from procman import BackendUnavailable, Lease
+from router.errors import BadGateway, GatewayTimeout, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
+from router.relay import relay, run_until_disconnect, send_error
+from router.request import ProxyRequest, upstream_headers
 from router.upstream import Upstream, UpstreamReply
 
-__all__ = ["ProxyRequest", "forward", "run_until_disconnect", "send_error"]
+# ProxyRequest, upstream_headers, run_until_disconnect and send_error are re-exported for older imports
+__all__ = ["ProxyRequest", "forward", "run_until_disconnect", "send_error", "upstream_headers"]
 
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-#: Request headers the router owns: the client's key is for the router, not the backend.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
-RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "x-backend-fatal"}
-SMALL_BODY = 1 << 20
 DEATH_GRACE_S = 2.0
-WATCH_AFTER_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class ProxyRequest:
-    method: str
-    path: str  # path and query string as sent to the backend
-    headers: list[tuple[str, str]]
-    body: bytes
-    retryable: bool  # a non-streamed request: safe to send again when nothing reached the client
-
-
-class _Relayed(Exception):
-    """Raised inside the exchange once response headers went out; carries the status sent."""
-
-    def __init__(self, status: int) -> None:
-        self.status = status
-
-
-def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list[tuple[str, str]]:
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in REQUEST_DROP]
-    if client:
-        headers.append(("x-forwarded-for", client))
-    return headers
-
-
-def _response_headers(resp: UpstreamReply) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
-
-
-async def send_error(send: Send, exc: RouterError) -> None:
-    body = error_body(exc.message, exc.type, exc.code, exc.param)
-    headers = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
-    headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _unavailable(model: Model, exc: BackendUnavailable) -> ServiceUnavailable:
-    retry = exc.retry_after_s if exc.retry_after_s is not None else (5.0 if isinstance(exc, InBackoff) else None)
-    return ServiceUnavailable(f"model {model.spec.name!r} is unavailable: {exc.reason}", retry_after_s=retry)
 
 
 async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -> int:
@@ -105,7 +43,7 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
                 async with model.backend.request() as lease:
                     result = await _exchange(model, req, pool, lease, send, may_retry=attempt == 1)
             except BackendUnavailable as exc:
-                raise _unavailable(model, exc) from None
+                raise unavailable(model.spec.name, exc) from None
             if result is not None:
                 return result
         raise AssertionError("unreachable: the second attempt never asks for a retry")
@@ -131,7 +69,7 @@ async def _exchange(
     try:
         if resp.header(b"x-backend-fatal") == b"1":
             return await _fatal(model, req, lease, resp, may_retry)
-        return await _relay(model, resp, send)
+        return await relay(model, resp, send)
     finally:
         resp.close()
 
@@ -191,88 +129,3 @@ def _error_message(body: bytes) -> str:
         return body[:300].decode("utf-8", "replace") or "no detail"
 
 
-async def _relay(model: Model, resp: UpstreamReply, send: Send) -> int:
-    await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
-    idle_s = model.spec.stream_idle_timeout_s
-    try:
-        if resp.complete or (resp.content_length or SMALL_BODY + 1) <= SMALL_BODY:
-            await send({"type": "http.response.body", "body": await resp.read(idle_s)})
-            return resp.status
-        async for chunk in resp.iter_chunks(idle_s):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except UpstreamError as exc:
-        await _end_broken_stream(model, resp, send, exc)
-        raise _Relayed(resp.status) from None
-    await send({"type": "http.response.body", "body": b""})
-    return resp.status
-
-
-async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc: UpstreamError) -> None:
-    if isinstance(exc, UpstreamTimeout):
-        reason = f"sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
-    else:
-        reason = "stopped answering mid-response (the process may have died; it is being restarted)"
-    log.warning("%s %s: %s", model.spec.name, reason, exc)
-    if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
-        error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
-                           "param": None, "code": "backend_error"}}
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode(),
-                    "more_body": True})
-    await send({"type": "http.response.body", "body": b""})
-
-
-async def run_until_disconnect(
-    work: Callable[[Send], Awaitable[int]], receive: Receive, send: Send
-) -> tuple[int, bool]:
-    """Run ``work`` in this task while a watcher waits for the client going away; returns
-    (status, disconnected). A disconnect cancels ``work``; its ``finally`` blocks close the
-    upstream. The watcher starts only once the exchange has lasted ``WATCH_AFTER_S``, so a
-    quick answer costs no extra task; a disconnect is noticed at most that much later.
-    ``work`` gets a ``send`` that remembers whether response headers went out, so an error
-    raised afterwards is not answered with a second response."""
-    me = asyncio.current_task()
-    assert me is not None
-    started: list[int] = []
-    state = {"done": False, "gone": False}
-
-    async def tracking_send(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            started.append(message["status"])
-        elif not message.get("more_body", False):
-            state["done"] = True  # from here on a "disconnect" is just the end of the exchange
-        await send(message)
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not state["done"]:
-            state["gone"] = True
-            me.cancel()
-
-    loop = asyncio.get_running_loop()
-    watcher: list[asyncio.Task[None]] = []
-
-    def arm() -> None:
-        if not state["done"]:
-            watcher.append(loop.create_task(watch()))
-
-    timer = loop.call_later(WATCH_AFTER_S, arm)  # most exchanges end first: no task at all
-    try:
-        return await work(tracking_send), False
-    except asyncio.CancelledError:
-        if not state["gone"]:
-            raise
-        me.uncancel()
-        return (started[0] if started else 499), True
-    except _Relayed as relayed:
-        return relayed.status, False
-    except RouterError as exc:
-        if started:
-            return started[0], False
-        await send_error(tracking_send, exc)
-        return exc.status, False
-    finally:
-        state["done"] = True
-        timer.cancel()
-        for task in watcher:
-            task.cancel()

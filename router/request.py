@@ -1,0 +1,115 @@
+"""Building one proxied request from the ASGI scope: auth, body under its limit, the model it names.
+
+The request path a newcomer follows, one file each::
+
+    router/request.py   scope -> (Model, ProxyRequest): key check, body read under the limit,
+                        the model by the body's `model` (or /upstream/{model}), headers to forward
+    router/proxy.py     forward(): limiter slot, backend lease, the upstream exchange,
+                        retry on a fatal error or a dead process
+    router/relay.py     the answer to the client, chunk by chunk; the disconnect race; error events
+    router/errors.py    every error a client sees, and the one procman -> HTTP mapping
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from starlette.types import Receive, Scope
+
+from router.body import model_of, read_body, too_large
+from router.errors import BadRequest, ModelNotFound
+from router.registry import Model, Registry
+
+__all__ = ["HOP_BY_HOP", "ProxyRequest", "client_of", "header", "proxied", "raw", "unknown_model", "upstream_headers"]
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+#: Request headers the router owns: the client's key is for the router, not the backend.
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRequest:
+    method: str
+    path: str  # path and query string as sent to the backend
+    headers: list[tuple[str, str]]
+    body: bytes
+    retryable: bool  # a non-streamed request: safe to send again when nothing reached the client
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def client_of(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
+
+
+def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list[tuple[str, str]]:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in REQUEST_DROP]
+    if client:
+        headers.append(("x-forwarded-for", client))
+    return headers
+
+
+def unknown_model(name: str, known: Iterable[str]) -> ModelNotFound:
+    return ModelNotFound(
+        f"model {name!r} is not configured; known models: {', '.join(sorted(known)) or 'none'}", param="model"
+    )
+
+
+def _content_length(scope: Scope) -> int | None:
+    value = header(scope, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        raise BadRequest(f"Content-Length is not a number: {value!r}") from None
+
+
+def _query(scope: Scope) -> str:
+    return ("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else ""
+
+
+async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
+    """An OpenAI route: the body names the model; a stream is never retried."""
+    body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
+    routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models)
+    model = registry.resolve(routed.model)
+    if model is None:
+        raise unknown_model(routed.model, registry.models)
+    if len(body) > model.spec.max_request_bytes:
+        raise too_large(model.spec.max_request_bytes, f"request body for model {model.spec.name!r}")
+    headers = upstream_headers(scope["headers"], client_of(scope))
+    path = scope["path"] + _query(scope)
+    return model, ProxyRequest(scope["method"], path, headers, body, retryable=not routed.stream)
+
+
+async def raw(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
+    """``/upstream/{model}/{path}``: any method and path, as sent (%-escapes kept), never retried."""
+    params = scope.get("path_params", {})
+    model = registry.resolve(params.get("model", ""))
+    if model is None:
+        raise unknown_model(params.get("model", ""), registry.models)
+    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
+    path_bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
+    parts = path_bytes.split(b"/", 3)  # b"", b"upstream", model, rest
+    path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "") + _query(scope)
+    headers = upstream_headers(scope["headers"], client_of(scope))
+    return model, ProxyRequest(scope["method"], path, headers, body, retryable=False)
