@@ -238,13 +238,13 @@ def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
 
 
 class ToolStreamSplitter:
-    """Text deltas in; content deltas out as they come, the tool calls at :meth:`finish`.
+    """Text deltas in; content deltas and tool calls out, each as soon as it is certain.
 
     Content is passed on until a call may have started: a parser's marker anywhere, or a
-    ``{`` / ``[`` opening the whole answer. From there on the text is held; at the end it
-    is parsed, and if it holds no call it is passed on as text after all. A marker's first
-    characters at the end of a delta are held back until the next delta shows whether
-    they are a marker.
+    ``{`` / ``[`` opening the whole answer. From there on the text is held. A Hermes call is
+    sent as soon as its ``</tool_call>`` arrives; everything else held is parsed at the end,
+    and passed on as text after all if it holds no call. A marker's first characters at the
+    end of a delta are held back until the next delta shows whether they are a marker.
     """
 
     def __init__(self, parser: str) -> None:
@@ -253,43 +253,62 @@ class ToolStreamSplitter:
         self._sent = ""  # content already passed on
         self._pending = ""  # content not yet passed on (a possible marker start)
         self._held: str | None = None  # the text from the start of a call
+        self._calls = 0  # calls already sent
 
-    def push(self, delta: str) -> str:
+    def push(self, delta: str) -> tuple[str, tuple[ToolCall, ...]]:
+        """The content that became certain, and the calls that did."""
         if self._held is not None:
             self._held += delta
-            return ""
+            return "", self._complete_calls()
         text = self._pending + delta
         if not self._sent and text.lstrip()[:1] in ("{", "[") and self._parser != "none":
             self._held, self._pending = text, ""
-            return ""
+            return "", ()
         for marker in self._markers:
             if (at := text.find(marker)) >= 0:
                 self._held, self._pending = text[at:], ""
-                return self._emit(text[:at])
+                return self._emit(text[:at]), self._complete_calls()
         keep = max((_partial_suffix(text, m) for m in self._markers), default=0)
         if not self._sent and not text.strip():
             keep = len(text)  # leading whitespace waits: a call may follow it
         self._pending = text[len(text) - keep :] if keep else ""
-        return self._emit(text[: len(text) - keep])
+        return self._emit(text[: len(text) - keep]), ()
+
+    def _complete_calls(self) -> tuple[ToolCall, ...]:
+        """Hermes blocks closed so far, parsed and taken off the held text (a block that does not parse stays)."""
+        calls: list[ToolCall] = []
+        while self._parser == "hermes" and self._held is not None:
+            held = self._held.lstrip()
+            end = held.find(HERMES_CLOSE)
+            if not held.startswith(HERMES_OPEN) or end < 0:
+                break
+            found = _json_calls(held[len(HERMES_OPEN) : end])
+            if not found:
+                break
+            calls += [ToolCall(c.name, c.arguments, new_call_id()) for c in found]
+            self._held = held[end + len(HERMES_CLOSE) :]
+        self._calls += len(calls)
+        return tuple(calls)
 
     def _emit(self, text: str) -> str:
         self._sent += text
         return text
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """The last content delta and the calls (ids set) once the stream has ended."""
+        """The last content delta and the last calls once the stream has ended."""
         held, self._held = self._held, None
         if held is None:
             rest, self._pending = self._pending, ""
             return self._emit(rest), ()
-        parsed = parse_tool_calls(self._parser, self._sent + held)
+        parsed = parse_tool_calls(self._parser, held) if held.strip() else ParsedOutput(None, ())
+        self._calls += len(parsed.calls)
         if not parsed.calls:
-            return self._emit(held), ()
-        return "", parsed.calls
+            return (self._emit(held) if held.strip() or not self._calls else ""), ()
+        return self._emit(parsed.content or ""), parsed.calls
 
     @property
-    def content(self) -> str:
-        return self._sent
+    def calls_sent(self) -> int:
+        return self._calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -51,9 +51,27 @@ def test_hermes_keeps_the_text_around_calls_as_content() -> None:
 
 def split(parser: str, deltas: list[str]) -> tuple[str, list[str]]:
     splitter = ToolStreamSplitter(parser)
-    out = "".join(splitter.push(d) for d in deltas)
-    rest, calls = splitter.finish()
-    return out + rest, [c.name for c in calls]
+    text, names = "", []
+    for step in [*(splitter.push(d) for d in deltas), splitter.finish()]:
+        text += step[0]
+        names += [c.name for c in step[1]]
+    assert splitter.calls_sent == len(names)
+    return text, names
+
+
+def test_splitter_sends_each_hermes_call_as_soon_as_it_closes() -> None:
+    splitter = ToolStreamSplitter("hermes")
+    assert splitter.push("<tool_call>\n{") == ("", ())
+    text, calls = splitter.push('"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "g"')
+    assert text == "" and [c.name for c in calls] == ["f"]
+    text, calls = splitter.push(', "arguments": {"x": 1}}</tool_call>')
+    assert [c.name for c in calls] == ["g"] and json.loads(calls[0].arguments) == {"x": 1}
+    assert splitter.finish() == ("", ()) and splitter.calls_sent == 2
+
+
+def test_splitter_passes_a_broken_call_after_good_ones_as_text() -> None:
+    assert split("hermes", ['<tool_call>{"name": "f", "arguments": {}}</tool_call>', "<tool_call>{oops"]) == (
+        "<tool_call>{oops", ["f"])
 
 
 def test_splitter_passes_text_and_holds_a_marker_split_across_deltas() -> None:

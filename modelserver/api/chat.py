@@ -63,7 +63,7 @@ from modelserver.structured import (
     tool_call_grammar,
 )
 from modelserver.textstream import StopMatcher
-from modelserver.tools import ToolStreamSplitter, parse_tool_calls
+from modelserver.tools import ToolCall, ToolStreamSplitter, parse_tool_calls
 
 __all__ = ["Run", "chat_plan", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
 
@@ -304,21 +304,31 @@ async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
                          logprobs: bool) -> AsyncIterator[bytes]:
     if (opening := shape.opening(index)) is not None:
         yield sse(opening)
-    splitter = ToolStreamSplitter(parser) if parser is not None else None
-    async for text in run.deltas():
-        if splitter is not None:
-            text = splitter.push(text)
-        if text:
+    calls_sent = 0
+    if parser is None:
+        async for text in run.deltas():
             yield sse(shape.delta(text, index))
-    finish = run.finish or "stop"
-    if splitter is not None:
-        rest, calls = splitter.finish()
-        if rest:
-            yield sse(shape.delta(rest, index))
-        if calls:
-            yield sse(shape.tool_calls([{"index": k, **call.as_openai()} for k, call in enumerate(calls)], index))
-            finish = "tool_calls"
+    else:
+        splitter = ToolStreamSplitter(parser)
+        async for delta in run.deltas():
+            for event in _split(shape, splitter, index, *splitter.push(delta)):
+                yield event
+        for event in _split(shape, splitter, index, *splitter.finish()):
+            yield event
+        calls_sent = splitter.calls_sent
+    finish = "tool_calls" if calls_sent else run.finish or "stop"
     yield sse(shape.closing(finish, index, logprob_entries(run.stream) if logprobs else None))
+
+
+def _split(shape: Shape, splitter: ToolStreamSplitter, index: int, text: str,
+           calls: tuple[ToolCall, ...]) -> list[bytes]:
+    """The chunks for what the splitter released: content, then each call (numbered across the stream)."""
+    events = [sse(shape.delta(text, index))] if text else []
+    first = splitter.calls_sent - len(calls)
+    if calls:
+        numbered = [{"index": first + k, **call.as_openai()} for k, call in enumerate(calls)]
+        events.append(sse(shape.tool_calls(numbered, index)))
+    return events
 
 
 async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
