@@ -1,0 +1,63 @@
+"""Whose fault was a backend's death: the request's, or not — and so what the router does next.
+
+A request whose process dies under it is *innocent* when the death plausibly was not its
+doing: an external signal killed the process (``kill -9``, the OOM killer), the device
+failed (a fatal engine error, a stalled generation), or other requests were in flight
+too. An innocent request is retried once on the fresh process (a non-streamed one with
+nothing sent yet) or its stream is resumed (up to ``max_resumes``). A request that was
+alone in a process that crashed or hung on its own is the likely cause (a *poison*
+request): it is answered at once, naming itself as the cause, and never sent again — as
+is a request that already had its second chance and took a second process down with it.
+
+A hang (no health answer) costs no retry to a non-streamed request: a request that hangs
+a process would hang the fresh one too, and the clients of the hung process are answered
+as soon as the hang is detected. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["EXTERNAL_SIGNALS", "Death", "Verdict", "external", "innocent", "verdict"]
+
+Cause = Literal["crash", "fatal", "hang", "stall"]
+Verdict = Literal["again", "fail", "blame"]
+
+#: Signals a process does not send itself by failing: someone (a user, the OOM killer) killed it.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    """How one process ended: ``cause``, its exit code (negative: the signal) and the requests in flight."""
+
+    cause: Cause
+    code: int | None = None
+    in_flight: int = 1
+
+
+def external(death: Death) -> bool:
+    """Killed from outside (a signal it did not raise itself) rather than failing by itself."""
+    return death.cause == "crash" and death.code is not None and death.code < 0 and -death.code in EXTERNAL_SIGNALS
+
+
+def innocent(death: Death) -> bool:
+    """The death was plausibly not the doing of a request in flight in it."""
+    return external(death) or death.cause in ("fatal", "stall") or death.in_flight > 1
+
+
+def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
+    """``again`` (retry or resume on the fresh process), ``fail`` (an ordinary 502) or ``blame``
+    (the request is the likely cause: answered with ``request_crashed_model``, never sent again).
+
+    ``second``: the request already had its retry or resume; ``streaming``: its stream had started.
+    """
+    if second:
+        return "fail" if external(death) else "blame"
+    if not innocent(death):
+        return "blame"
+    if death.cause == "hang" and not streaming:
+        return "fail"
+    return "again"

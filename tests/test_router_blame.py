@@ -1,0 +1,33 @@
+"""Whose fault a death was (router/blame.py): one row per rule."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from router.blame import Death, verdict
+
+SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("death", "second", "streaming", "expected"),
+    [
+        (Death("crash", 86, in_flight=1), False, False, "blame"),  # alone in a process that crashed: poison
+        (Death("crash", SEGV, in_flight=1), False, True, "blame"),  # a segfault is not an external signal
+        (Death("crash", 86, in_flight=3), False, False, "again"),  # others were in flight too
+        (Death("crash", KILL, in_flight=1), False, False, "again"),  # kill -9 from outside
+        (Death("crash", KILL, in_flight=1), False, True, "again"),  # ... a stream is resumed
+        (Death("fatal", -9, in_flight=1), False, False, "again"),  # the device failed, not the request
+        (Death("stall", -9, in_flight=1), False, True, "again"),
+        (Death("hang", -9, in_flight=1), False, False, "blame"),  # a lone request that hung its process
+        (Death("hang", -9, in_flight=2), False, False, "fail"),  # a hang is never retried: it would hang again
+        (Death("hang", -9, in_flight=2), False, True, "again"),  # a stream under way is resumed
+        (Death("crash", 86, in_flight=3), True, False, "blame"),  # its second process down: named the cause
+        (Death("fatal", -9, in_flight=1), True, True, "blame"),
+        (Death("crash", KILL, in_flight=1), True, False, "fail"),  # killed from outside twice: not its doing
+    ],
+)
+def test_verdict(death: Death, second: bool, streaming: bool, expected: str) -> None:
+    assert verdict(death, second=second, streaming=streaming) == expected
