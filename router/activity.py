@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 RECENT = 200
 WINDOW_S = 300.0  # requests/min, TTFT p50 and tokens/s look this far back
 SPARK_BUCKETS, SPARK_BUCKET_S = 30, 10.0
-_USAGE = re.compile(rb'"usage"\s*:\s*(\{[^{}]*\})')
+_USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"prompt_tokens"\s*:\s*(\d+)[^{}]*?"completion_tokens"\s*:\s*(\d+)')
 _TOKEN_EVENT = b'"finish_reason":null'
 
 _CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("ovrouter_request", default=None)
@@ -239,15 +239,14 @@ class _Watcher:
         self._ended = False
 
     async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] != "http.response.body":
             await self._start(message)
             return
-        body = message.get("body", b"")
-        if body:
-            self._observe(body)
+        if self._sse:
+            self._observe(message.get("body", b""))
         if not message.get("more_body", False):
             self._ended = True
-            self._usage(self._tail if self._sse else body)
+            self._usage(self._tail if self._sse else message.get("body", b""))
         if self.feedback is not None and self.feedback.rewrites:
             await self.feedback.relay_body(message)
         else:
@@ -266,8 +265,6 @@ class _Watcher:
         await self.send(message)
 
     def _observe(self, body: bytes) -> None:
-        if not self._sse:
-            return
         record = self.record
         events = body.count(_TOKEN_EVENT)
         if self._opening and events and b'"role"' in body:
@@ -283,16 +280,13 @@ class _Watcher:
             self._tail = (self._tail + body)[-4096:]
 
     def _usage(self, body: bytes) -> None:
+        """``usage`` of the answer: the last one in the body (OpenAI servers put it last), digits only."""
         record = self.record
-        found = _USAGE.findall(body[-8192:]) if b'"usage"' in body else []
+        at = body.rfind(b'"usage"')
+        found = _USAGE.match(body, at) if at >= 0 else None
         if found:
-            try:
-                usage = json.loads(found[-1])
-                record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                record.completion_tokens = int(usage.get("completion_tokens") or 0)
-                return
-            except (ValueError, TypeError, AttributeError):
-                pass
+            record.prompt_tokens, record.completion_tokens = int(found[1]), int(found[2])
+            return
         if self._sse and record.token_events:
             record.completion_tokens = record.token_events
 

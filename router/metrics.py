@@ -60,6 +60,7 @@ class Metrics:
         self._activity(r)
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
+        self._activity_children: dict[str, tuple[Any, ...]] = {}
 
     def _activity(self, r: CollectorRegistry) -> None:
         self.ttft = Histogram("ovrouter_time_to_first_token_seconds", "request arrival to the first streamed token",
@@ -80,16 +81,22 @@ class Metrics:
 
     def observe_activity(self, model: str, queue_s: float, ttft_s: float | None, itl_s: float | None,
                          prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """A finished request's figures (see router.activity)."""
-        self.queue_wait.labels(model).observe(queue_s)
+        """A finished request's figures (see router.activity); labelled children cached as in observe_request."""
+        children = self._activity_children.get(model)
+        if children is None:
+            children = self._activity_children[model] = tuple(
+                m.labels(model) for m in (self.queue_wait, self.ttft, self.itl, self.prompt_tokens,
+                                          self.completion_tokens))
+        queue_wait, ttft, itl, prompt, completion = children
+        queue_wait.observe(queue_s)
         if ttft_s is not None:
-            self.ttft.labels(model).observe(ttft_s)
+            ttft.observe(ttft_s)
         if itl_s is not None:
-            self.itl.labels(model).observe(itl_s)
+            itl.observe(itl_s)
         if prompt_tokens:
-            self.prompt_tokens.labels(model).inc(prompt_tokens)
+            prompt.inc(prompt_tokens)
         if completion_tokens:
-            self.completion_tokens.labels(model).inc(completion_tokens)
+            completion.inc(completion_tokens)
 
     def observe_request(self, model: str, status: int, elapsed_s: float) -> None:
         """The hot path's metrics, with the labelled children cached (``labels()`` costs a lock)."""
@@ -110,6 +117,7 @@ class Metrics:
         """Drop the per-model series of a model that left the config."""
         self._request_children = {k: v for k, v in self._request_children.items() if k[0] != model}
         self._duration_children.pop(model, None)
+        self._activity_children.pop(model, None)
         for metric in [*vars(self).values(), *self.backend.values()]:
             # every labelled series whose first label is this model, whatever its other labels (state, reason,
             # status): prometheus_client lists a metric's children only in its private ``_metrics``
