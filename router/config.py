@@ -46,6 +46,9 @@ class RouterSettings(_Frozen):
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
     cors_origins: tuple[str, ...] = Field((), description='browser origins allowed by CORS ("*" = any); empty = none')
+    device_failure_threshold: int = Field(
+        3, ge=0, description="fatal errors of this many models on one device within 10 min mark it unhealthy; 0 = off"
+    )
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"
     )
