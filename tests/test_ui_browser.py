@@ -34,6 +34,10 @@ def _models() -> dict[str, object]:
             "other": fake_model(task="embeddings")}
 
 
+def _media_models() -> dict[str, object]:
+    return {**_models(), "rr": fake_model(task="rerank"), "asr": fake_model(task="transcription")}
+
+
 def _shots(tmp_path: Path) -> Path:
     target = os.environ.get("OVROUTER_SCREENSHOTS")
     return Path(target) if target else tmp_path
@@ -123,6 +127,26 @@ async def test_chat_in_the_playground_streams_the_answer(tmp_path: Path, browser
             await page.fill("#emb-input", "one\ntwo")
             await page.click("#emb-go")
             await page.wait_for_function("document.querySelector('#pg-out').textContent.includes('#1 ')")
+
+
+async def test_rerank_and_transcribe_a_file_in_the_playground(tmp_path: Path, browser: object) -> None:
+    documents = tmp_path / "docs.txt"
+    documents.write_text("Paris is the capital of France.\nBananas are yellow.\n")
+    audio = Path(__file__).parent / "data" / "espeak_john.flac"
+    async with running_router(write_config(tmp_path, _media_models())) as router:
+        async with _open(browser, router) as page:
+            await page.select_option("#pg-model", "rr")
+            await page.fill("#rr-query", "capital of France")
+            await page.set_input_files("#rr-file", str(documents))
+            await page.click("#rr-go")
+            await page.wait_for_function("document.querySelector('#pg-out').textContent.includes('Bananas')")
+            lines = (await page.text_content("#pg-out") or "").splitlines()
+            assert len(lines) == 2 and all(float(line.split()[0]) >= 0 for line in lines)
+            await page.select_option("#pg-model", "asr")
+            await page.set_input_files("#tr-file", str(audio))
+            await page.click("#tr-go")
+            await page.wait_for_function("document.querySelector('#pg-out').textContent"
+                                         ".startsWith('fake transcription of')")
 
 
 async def test_a_reload_error_appears(tmp_path: Path, browser: object) -> None:
