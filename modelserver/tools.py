@@ -159,11 +159,11 @@ def _hermes(text: str) -> tuple[str, list[ToolCall]] | None:
     for block in rest.split(HERMES_OPEN):
         body, _, after = block.partition(HERMES_CLOSE)
         found = _json_calls(body)
-        if found is None:
-            return None
-        calls.extend(found)
+        if found is None:  # a block that does not parse (cut by max_tokens, say) stays text
+            after = HERMES_OPEN + block
+        calls.extend(found or ())
         content += after.strip() and ("\n" + after.strip())
-    return content, calls
+    return (content, calls) if calls else None
 
 
 def _pythonic_value(node: ast.AST) -> Any:

@@ -43,6 +43,12 @@ def test_plain_text_and_broken_calls_stay_content(parser: str) -> None:
         assert parsed.calls == () and parsed.content == text
 
 
+def test_hermes_keeps_complete_calls_when_a_later_one_is_cut() -> None:
+    parsed = parse_tool_calls("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"na')
+    assert [c.name for c in parsed.calls] == ["f"]
+    assert parsed.content == '<tool_call>{"na'
+
+
 def test_hermes_keeps_the_text_around_calls_as_content() -> None:
     parsed = parse_tool_calls("hermes", 'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert parsed.content == "Let me check."

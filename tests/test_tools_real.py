@@ -119,10 +119,10 @@ def test_parallel_required_calls_are_each_valid(qwen: ModelServerProcess) -> Non
             model="qwen", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, max_tokens=400,
         )
     choice = answer.choices[0]
-    if choice.finish_reason == "length":  # random weights may chain calls until max_tokens: the last one is cut
-        pytest.skip("the random model chained calls up to max_tokens")
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    # random weights may chain calls until max_tokens (finish "length", the last one cut and left as text);
+    # every complete call is valid either way
+    assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
     for call in choice.message.tool_calls:
         assert_valid_call(call, schemas)
 

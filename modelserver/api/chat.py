@@ -297,7 +297,12 @@ async def _collect(run: Run, index: int, parser: str | None, logprobs: bool) -> 
         return Choice(index, text, finish, logprobs=entries)
     parsed = parse_tool_calls(parser, text)
     calls = [call.as_openai() for call in parsed.calls]
-    return Choice(index, parsed.content, "tool_calls" if calls else finish, calls, entries)
+    return Choice(index, parsed.content, _tool_finish(finish, bool(calls)), calls, entries)
+
+
+def _tool_finish(finish: str, called: bool) -> str:
+    """``tool_calls`` when the answer holds calls, unless ``max_tokens`` cut it (then ``length``)."""
+    return "tool_calls" if called and finish != "length" else finish
 
 
 async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
@@ -316,7 +321,7 @@ async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
         for event in _split(shape, splitter, index, *splitter.finish()):
             yield event
         calls_sent = splitter.calls_sent
-    finish = "tool_calls" if calls_sent else run.finish or "stop"
+    finish = _tool_finish(run.finish or "stop", calls_sent > 0)
     yield sse(shape.closing(finish, index, logprob_entries(run.stream) if logprobs else None))
 
 
