@@ -49,13 +49,13 @@ def innocent(death: Death) -> bool:
 
 
 def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
-    """``again`` (retry or resume on the fresh process), ``fail`` (an ordinary 502) or ``blame``
-    (the request is the likely cause: answered with ``request_crashed_model``, never sent again).
+    """``again`` (retry or resume on the fresh process, if the request has a try left), ``fail`` (an
+    ordinary 502) or ``blame`` (the request is the likely cause: ``request_crashed_model``, never sent again).
 
-    ``second``: the request already had its retry or resume; ``streaming``: its stream had started.
+    ``second``: the request already had a retry or resume; ``streaming``: its stream had started.
     """
     if second:
-        return "fail" if external(death) else "blame"
+        return "again" if external(death) else "blame"
     if not innocent(death):
         return "blame"
     if death.cause == "hang" and not streaming:

@@ -26,7 +26,7 @@ SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
         (Death("hang", -9, in_flight=2), False, True, "again"),  # a stream under way is resumed
         (Death("crash", 86, in_flight=3), True, False, "blame"),  # its second process down: named the cause
         (Death("fatal", -9, in_flight=1), True, True, "blame"),
-        (Death("crash", KILL, in_flight=1), True, False, "fail"),  # killed from outside twice: not its doing
+        (Death("crash", KILL, in_flight=1), True, False, "again"),  # killed from outside twice: not its doing
     ],
 )
 def test_verdict(death: Death, second: bool, streaming: bool, expected: str) -> None:

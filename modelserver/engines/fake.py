@@ -18,6 +18,8 @@ and, checked while a text answer streams:
 - ``[[stall]]``  half the words, then silence while ``/health`` still answers (a stalled
   device) — unless the request continues a final assistant message (a resumed stream ends);
 - ``[[crash-mid]]`` half the words, then the process exits (every time: a poison request).
+- ``[[fatal-mid]]`` half the words, then a fatal engine error (the process answers it in the
+  stream and exits) — unless the request continues a final assistant message.
 
 A chat whose last message is an assistant message, sent with ``continue_final_message``,
 continues it: the echo's words that the message already holds are skipped, so a stream
@@ -175,6 +177,8 @@ class FakeStream:
 
 
 async def _mid_fault(fault: str) -> None:
+    if fault == "fatal-mid":
+        raise RuntimeError("fake engine: clFinish failed with CL_OUT_OF_RESOURCES ([[fatal-mid]] marker)")
     if fault == "crash-mid":
         log.warning("fake engine: [[crash-mid]] marker, exiting with status %d", CRASH_EXIT_CODE)
         _exit_now(CRASH_EXIT_CODE)
@@ -187,6 +191,8 @@ def _mid_stream_fault(text: str, continued: bool) -> str | None:
         return "crash-mid"
     if "[[stall]]" in text and not continued:
         return "stall"
+    if "[[fatal-mid]]" in text and not continued:
+        return "fatal-mid"
     return None
 
 

@@ -1,0 +1,277 @@
+"""One client request across the processes it may outlive: retry, resume, or name the poison.
+
+:func:`forward` (called by ``router.proxy.forward``) sends the request to a leased process.
+When that process dies under it — it exits, it is killed as hung, it answers
+``X-Backend-Fatal: 1`` or a fatal error event mid-stream, or its stream stalls for
+``stall_timeout_s`` while it still answers health probes — :func:`router.blame.verdict`
+decides: a request with nothing sent yet is sent again to the fresh process, a stream
+under way is resumed there (:mod:`router.resume`: the client's stream goes on, same ids,
+no second role delta), a request that is the likely cause is answered naming itself
+(``request_crashed_model``), and any other gets one short line. One retry or resume per
+request (``max_resumes`` for streams); the fresh process is waited for within the
+request's own bounds (the backend parks it while it restarts).
+
+A stream is resumable when :func:`router.resume.plan` says so; everything else takes the
+plain path of :func:`router.relay.relay`, chunk by chunk, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Send
+
+from procman import BackendUnavailable, Lease
+from router.blame import Death, verdict
+from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
+from router.httpclient import UpstreamError, UpstreamTimeout
+from router.registry import Model
+from router.relay import RESPONSE_DROP, Relayed, relay
+from router.request import ProxyRequest
+from router.resume import Plan, Splice, StreamLog, continuation, fatal_event, plan, progress
+from router.upstream import Upstream, UpstreamReply
+
+__all__ = ["RequestCrashedModel", "forward"]
+
+log = logging.getLogger(__name__)
+
+#: How long a broken connection waits for the process's exit to be seen (else: unreachable, not dead).
+DEATH_GRACE_S = 2.0
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+class RequestCrashedModel(BadGateway):
+    """This request is the likely cause of its process's death (a poison request)."""
+
+    code = "request_crashed_model"
+
+
+@dataclass(slots=True)
+class Job:
+    """A client request and what happened to it so far."""
+
+    model: Model
+    req: ProxyRequest
+    pool: Upstream
+    send: Send
+    plan: Plan | None
+    tries: int = 0  # retries and resumes taken
+    body: bytes = b""
+    log: StreamLog | None = None
+    splice: Splice | None = None
+    head_sent: bool = False
+    status: int = 0
+    _lines: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.model.spec.name
+
+    def budget(self) -> int:
+        """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs."""
+        if self.head_sent:
+            return self.model.spec.max_resumes if self.plan is not None else 0
+        return 1 if self.model.spec.retry_on_fatal else 0
+
+
+async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -> int:
+    """Proxy ``req`` to ``model`` and relay the answer; returns the HTTP status the client got."""
+    streamed = not req.retryable
+    resumable = plan(req.path, req.body, model.spec.default_max_tokens, model.spec.launches_modelserver) \
+        if streamed and model.spec.max_resumes > 0 else None
+    job = Job(model, req, pool, send, resumable, body=req.body)
+    async with model.limiter:
+        while True:
+            try:
+                async with model.backend.request() as lease:
+                    result = await _attempt(job, lease)
+            except BackendUnavailable as exc:
+                if not job.head_sent:
+                    raise unavailable(model.spec.name, exc) from None
+                return await _end_stream(job, f"model {job.name!r} could not be restarted", "model_unavailable")
+            if result is not None:
+                return result
+
+
+async def _attempt(job: Job, lease: Lease) -> int | None:
+    """One exchange with one process: the status relayed, or None to go again on a fresh process."""
+    spec = job.model.spec
+    try:
+        resp = await job.pool.request(lease.address, job.req.method, job.req.path, job.req.headers, job.body,
+                                      spec.request_timeout_s)
+    except UpstreamTimeout:
+        return await _fail(job, GatewayTimeout(
+            f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))
+    except UpstreamError as exc:
+        return await _died(job, lease, None, str(exc))
+    try:
+        if resp.header(b"x-backend-fatal") == b"1":
+            return await _died(job, lease, "fatal", await _detail(resp))
+        if job.plan is None:
+            return await relay(job.model, resp, job.send)
+        return await _relay_resumable(job, lease, resp)
+    finally:
+        resp.close()
+
+
+async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int | None:
+    """Relay a stream whole event by whole event, watching for a death, a fatal event or a stall."""
+    spec = job.model.spec
+    if not job.head_sent:
+        if resp.status != 200 or not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return await relay(job.model, resp, job.send)
+        headers = [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
+        await job.send({"type": "http.response.start", "status": 200, "headers": headers})
+        job.head_sent, job.status, job.log = True, 200, StreamLog()
+    elif resp.status != 200:  # the continuation was refused: end the stream with its reason
+        return await _end_stream(job, f"model {job.name!r} could not continue the answer: {await _detail(resp)}",
+                                 "backend_error")
+    stall_s = min(spec.stall_timeout_s, spec.stream_idle_timeout_s)
+    try:
+        async for chunk in resp.iter_chunks(stall_s):
+            if fatal_event(chunk):
+                cut = chunk.find(b'data: {"error"')
+                await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
+                return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
+            await _relay_chunk(job, chunk)
+    except UpstreamTimeout:
+        if spec.stall_timeout_s >= spec.stream_idle_timeout_s:
+            return await _end_stream(job, f"model {job.name!r} sent nothing for stream_idle_timeout_s="
+                                     f"{spec.stream_idle_timeout_s:g}s", "backend_timeout")
+        log.warning("%s: a stream got no token for stall_timeout_s=%gs; killing the process as hung",
+                    job.name, spec.stall_timeout_s)
+        return await _died(job, lease, "stall", f"no token for {spec.stall_timeout_s:g}s")
+    except UpstreamError as exc:
+        return await _died(job, lease, None, str(exc))
+    tail = job.splice.rest() if job.splice is not None else job.log.rest() if job.log is not None else b""
+    await job.send({"type": "http.response.body", "body": tail})
+    return job.status
+
+
+async def _relay_chunk(job: Job, chunk: bytes) -> None:
+    assert job.log is not None
+    if job.splice is not None:
+        out = job.splice.feed(chunk)
+        if out:
+            job.log.sent.append(out)
+    else:
+        out = job.log.cut(chunk)
+    if out:
+        await job.send({"type": "http.response.body", "body": out, "more_body": True})
+
+
+async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int | None:
+    """The process behind ``lease`` failed this request; decide between going again and answering."""
+    backend = job.model.backend
+    in_flight = backend.in_flight
+    if cause in ("fatal", "stall"):
+        restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation)
+        death = Death(cause, None, in_flight)  # type: ignore[arg-type]
+    else:
+        restart = None
+        await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
+        if not lease.exited.done():
+            return await _fail(job, BadGateway(f"model {job.name!r} could not be reached; retry the request"))
+        death = _death_of(job.model, lease, in_flight)
+    choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
+    if choice == "again" and job.tries < job.budget() and _prepare_again(job):
+        job.tries += 1
+        log.warning("%s: the process died under a request (%s: %s); %s on a fresh process", job.name, death.cause,
+                    detail, "resuming the stream" if job.head_sent else "retrying once")
+        if restart is not None:
+            await restart  # the next attempt must land on the fresh process
+        return None
+    if restart is not None:
+        _background(restart)
+    if choice == "blame":
+        log.warning("%s: request is the likely cause of its process's %s (%s); not sent again", job.name,
+                    death.cause, detail)
+        return await _fail(job, RequestCrashedModel(_blame_message(job, death)))
+    if death.cause == "fatal":
+        return await _fail(job, ServiceUnavailable(
+            f"model {job.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
+            retry_after_s=2.0))
+    return await _fail(job, BadGateway(_death_message(job, death)))
+
+
+def _death_of(model: Model, lease: Lease, in_flight: int) -> Death:
+    """How the process behind ``lease`` ended, as the backend saw it (or as the lease tells)."""
+    told = getattr(model.backend, "death", None)
+    known = told(lease.generation) if callable(told) else None
+    if known is not None:
+        return Death(known.cause, known.code, known.in_flight)  # type: ignore[arg-type]
+    code = None
+    if lease.exited.done() and not lease.exited.cancelled() and lease.exited.exception() is None:
+        code = int(lease.exited.result())
+    return Death("crash", code, in_flight)
+
+
+def _prepare_again(job: Job) -> bool:
+    """Set the next attempt's body: the same request, or the continuation of the stream; False when done."""
+    if not job.head_sent:
+        job.body = job.req.body
+        return True
+    assert job.plan is not None and job.log is not None
+    seen = progress(job.log)
+    if seen.done or seen.finish is not None:
+        return False  # the answer was complete: nothing to resume
+    rest = continuation(job.plan, seen)
+    if rest is None:
+        return False
+    job.body = json.dumps(rest).encode()
+    job.splice = Splice(seen)
+    return True
+
+
+def _blame_message(job: Job, death: Death) -> str:
+    what = {"hang": "hung", "crash": "crashed", "fatal": "failed fatally", "stall": "stalled"}[death.cause]
+    again = " again on the retry" if job.tries else " while handling this request and no other"
+    return (f"model {job.name!r} {what}{again}; this request is the likely cause and is not retried "
+            "(the model was restarted)")
+
+
+def _death_message(job: Job, death: Death) -> str:
+    what = {"hang": "hung", "crash": "died", "fatal": "failed fatally", "stall": "stalled"}[death.cause]
+    return f"model {job.name!r} {what} while handling the request; it is being restarted, retry the request"
+
+
+async def _fail(job: Job, error: RouterError) -> int:
+    """Answer ``error``: as the response when nothing was sent, else as the stream's last event."""
+    if not job.head_sent:
+        raise error
+    return await _end_stream(job, error.message, error.code)
+
+
+async def _end_stream(job: Job, message: str, code: str) -> int:
+    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    body = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+    await job.send({"type": "http.response.body", "body": body, "more_body": True})
+    await job.send({"type": "http.response.body", "body": b""})
+    raise Relayed(job.status)
+
+
+async def _detail(resp: UpstreamReply) -> str:
+    try:
+        body = await resp.read(idle_timeout_s=5.0)
+    except UpstreamError:
+        return "no detail"
+    try:
+        return str(json.loads(body)["error"]["message"]).splitlines()[0][:300]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return body[:300].decode("utf-8", "replace").splitlines()[0] if body else "no detail"
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)  # the loop keeps only a weak reference to a task
+    task.add_done_callback(_background_done)
+
+
+def _background_done(task: asyncio.Task[Any]) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background restart failed: %s", task.exception())

@@ -1,0 +1,158 @@
+"""Faults the client barely notices, over real fake-engine model servers: streams resumed after a
+kill -9, a fatal error or a stall; poison requests named and never sent twice; innocent requests
+retried. Each test runs its own router in this event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+WORDS = " ".join(f"w{i}" for i in range(24))
+
+
+@pytest.fixture(autouse=True)
+def _recovery_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import router.app
+    import router.recovery
+
+    if router.app.forward is not router.recovery.forward:  # until router.proxy delegates to it
+        monkeypatch.setattr(router.app, "forward", router.recovery.forward)
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "echo", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def events(raw: str) -> list[Any]:
+    return [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+            for line in raw.split("\n\n") if line.startswith("data: ")]
+
+
+def content(parsed: list[Any]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in parsed
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+async def stream_lines(router: RunningRouter, body: dict[str, Any]) -> AsyncIterator[str]:
+    async with router.client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line:
+                yield line
+
+
+async def wait_for(predicate: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def config(tmp_path: Path, **overrides: Any) -> Path:
+    model = fake_model(fake={"load_s": 0.05, "token_delay_s": 0.03}, **overrides)
+    return write_config(tmp_path, {"echo": model})
+
+
+def assert_whole_answer(raw: str, ids: int = 1) -> list[Any]:
+    parsed = events(raw)
+    assert parsed.count("[DONE]") == 1 and parsed[-1] == "[DONE]"
+    chunks = [e for e in parsed if isinstance(e, dict)]
+    assert not [e for e in chunks if "error" in e], chunks
+    assert content(parsed) == WORDS  # the same text an unbroken stream gives
+    assert len({e["id"] for e in chunks}) == ids and len({e["created"] for e in chunks}) == 1
+    assert sum("role" in (e["choices"][0].get("delta") or {}) for e in chunks if e["choices"]) == 1
+    return chunks
+
+
+async def test_a_stream_whose_backend_is_killed_mid_generation_completes(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        first = router.backend("echo")
+        lines: list[str] = []
+        async for line in stream_lines(router, chat(WORDS, stream=True, stream_options={"include_usage": True})):
+            lines.append(line)
+            if len(lines) == 6:  # the role chunk and five words reached the client
+                assert first.pid is not None
+                os.kill(first.pid, signal.SIGKILL)
+        chunks = assert_whole_answer("\n\n".join(lines) + "\n\n")
+        usage = [e["usage"] for e in chunks if e.get("usage")]
+        assert usage == [{"prompt_tokens": 24, "completion_tokens": 24, "total_tokens": 48}]
+        assert router.backend("echo").restarts == 1
+
+
+async def test_a_fatal_error_mid_stream_is_resumed_on_the_fresh_process(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        text = WORDS.replace("w3 ", "w3 [[fatal-mid]] ")
+        raw = "\n\n".join([line async for line in stream_lines(router, chat(text, stream=True))]) + "\n\n"
+        parsed = events(raw)
+        assert parsed.count("[DONE]") == 1 and not [e for e in parsed if isinstance(e, dict) and "error" in e]
+        assert content(parsed) == text
+        await wait_for(lambda: router.backend("echo").restarts == 1)
+
+
+async def test_a_stalled_stream_is_killed_as_hung_and_resumed(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path, stall_timeout_s=1)) as router:
+        text = WORDS.replace("w3 ", "w3 [[stall]] ")
+        raw = "\n\n".join([line async for line in stream_lines(router, chat(text, stream=True))]) + "\n\n"
+        parsed = events(raw)
+        assert content(parsed) == text and parsed.count("[DONE]") == 1
+        metrics = (await router.client.get("/metrics")).text
+        assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in metrics
+
+
+async def test_a_poison_crash_mid_stream_is_named_not_resumed(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        raw = "\n\n".join([line async for line in stream_lines(router, chat(f"{WORDS} [[crash-mid]]", stream=True))])
+        parsed = events(raw + "\n\n")
+        assert parsed[-1] == "[DONE]" and parsed[-2]["error"]["code"] == "request_crashed_model"
+        assert "\n" not in parsed[-2]["error"]["message"] and ".sock" not in parsed[-2]["error"]["message"]
+        await wait_for(lambda: router.backend("echo").state.value == "ready")
+        assert (await router.client.post("/v1/chat/completions", json=chat("innocent"))).status_code == 200
+
+
+async def test_a_poison_crash_is_answered_at_once_and_the_next_request_succeeds(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        poison = await router.client.post("/v1/chat/completions", json=chat("bye [[crash]]"))
+        assert poison.status_code == 502 and poison.json()["error"]["code"] == "request_crashed_model"
+        assert router.backend("echo").restarts == 1  # not retried: one process down, not two
+        innocent = await router.client.post("/v1/chat/completions", json=chat("innocent"))
+        assert innocent.status_code == 200
+
+
+async def test_a_non_streamed_request_whose_process_is_killed_is_retried(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        await router.client.post("/v1/chat/completions", json=chat("warm"))
+        pid = router.backend("echo").pid
+        pending = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(WORDS)))
+        await wait_for(lambda: router.backend("echo").in_flight == 1)
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        response = await pending
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == WORDS
+        assert router.backend("echo").pid != pid
+
+
+async def test_a_retried_request_that_crashes_a_second_process_is_named(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        fatal = await router.client.post("/v1/chat/completions", json=chat("[[fatal]]"))
+        assert fatal.status_code == 502 and fatal.json()["error"]["code"] == "request_crashed_model"
+        assert "retry" in fatal.json()["error"]["message"]
+        await wait_for(lambda: router.backend("echo").restarts == 2)
+
+
+async def test_client_errors_carry_no_log_tail_or_socket_path(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        poison = await router.client.post("/v1/chat/completions", json=chat("[[crash]]"))
+        message = poison.json()["error"]["message"]
+        assert "\n" not in message and "sock" not in message and "pid" not in message
