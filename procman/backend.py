@@ -19,8 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from procman import machine as m
 from procman import process
@@ -49,8 +48,7 @@ COMMANDS = (m.Stop, m.Close, m.Restart, m.Update, m.Retune)
 SETTLED = frozenset({State.STOPPED, State.READY, State.BACKOFF})
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
+class Lease(NamedTuple):
     """What a request talks to; ``generation`` names the process, ``exited`` completes when it is gone."""
 
     address: Address
@@ -64,7 +62,7 @@ class Backend:
 
     def __init__(self, spec: BackendSpec, runtime: Runtime) -> None:
         self.name = spec.name
-        self.spec = spec
+        self.spec = spec  # through the setter: also caches its tuning
         self.state = State.STOPPED
         self.state_since = runtime.clock()
         self.counters = Counters(idle_since=runtime.clock())
@@ -78,6 +76,7 @@ class Backend:
         self._rt = runtime
         self._queue: asyncio.Queue[tuple[m.Event, asyncio.Future[Any] | None]] = asyncio.Queue()
         self._owner: asyncio.Task[None] | None = None
+        self._handling = False
         self._running: process.Running | None = None
         self._next_spec = spec
         self._parked: list[tuple[asyncio.Future[Any], bool]] = []
@@ -88,6 +87,15 @@ class Backend:
         self._helpers: dict[str, asyncio.Task[Any]] = {}
 
     # -- what others read --------------------------------------------------------------------
+
+    @property
+    def spec(self) -> BackendSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: BackendSpec) -> None:
+        self._spec = spec
+        self._tuning = spec.tuning  # decide() reads it on every event
 
     @property
     def pid(self) -> int | None:
@@ -108,7 +116,7 @@ class Backend:
     @property
     def failures(self) -> int:
         """Consecutive failures; 0 once the process stayed READY for ``stable_after_s``."""
-        return m.failures_now(self.state, self.counters, self.spec.tuning, self._rt.clock())
+        return m.failures_now(self.state, self.counters, self._tuning, self._rt.clock())
 
     @property
     def retry_after_s(self) -> float | None:
@@ -166,9 +174,12 @@ class Backend:
         try:
             yield lease
         finally:
-            done = self._post(m.Done(), want_reply=True)
-            assert done is not None
-            await done
+            if self._quiet():
+                self._dispatch(m.Done(), None)
+            else:
+                done = self._post(m.Done(), want_reply=True)
+                assert done is not None
+                await done
 
     async def stop(self, reason: str = "stop", *, drain: bool = True) -> None:
         """Stop the process (after in-flight requests finish, bounded, when ``drain``); -> STOPPED.
@@ -177,15 +188,20 @@ class Backend:
         """
         await self._ask(m.Stop(reason, drain))
 
-    async def restart(self, reason: str, *, generation: int | None = None) -> None:
+    def restart(self, reason: str, *, generation: int | None = None) -> asyncio.Future[None]:
         """Replace the process now (no drain). With ``generation``, only if that process is still the READY one.
 
+        The command is queued when called (a caller that does not await it still gets it in
+        before any later request); await the result to wait until the backend settles.
         ``crash``, ``hang`` and ``fatal`` count as failures (backoff applies) and SIGKILL at
         once; any other reason (``manual``) stops gracefully and relaunches at once. Never
-        raises for a failed relaunch: the error is in ``last_error`` and the next
+        fails for a failed relaunch: the error is in ``last_error`` and the next
         ``ensure_ready`` reports it.
         """
-        await self._ask(m.Restart(reason, generation))
+        reply = self._post(m.Restart(reason, generation), want_reply=True)
+        assert reply is not None
+        reply.add_done_callback(_retrieve)
+        return reply
 
     async def update(self, spec: BackendSpec) -> None:
         """Apply a changed spec. Supervision settings only: :meth:`retune`, the process stays.
@@ -222,8 +238,14 @@ class Backend:
     async def _want(self, count: bool) -> Lease:
         if self.counters.closed:
             raise BackendClosed(f"{self.name} was removed or is shutting down")
-        reply = self._post(m.Want(count), want_reply=True)
+        if self._quiet():  # the request's hot path: decided right here, in the caller's turn
+            reply: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future()
+            self._dispatch(m.Want(count), reply)
+        else:
+            reply = self._post(m.Want(count), want_reply=True)
         assert reply is not None
+        if reply.done():
+            return reply.result()  # type: ignore[no-any-return]
         try:
             return await reply  # type: ignore[no-any-return]
         except asyncio.CancelledError:
@@ -245,16 +267,30 @@ class Backend:
 
     # -- the owner ---------------------------------------------------------------------------
 
+    def _quiet(self) -> bool:
+        """Nothing queued and nothing being decided: an event may be decided in the caller's turn.
+
+        Only the request path (admit, done) uses this; it is the owner's own step, taken at a
+        moment the owner would take it next anyway, and it saves two task switches a request.
+        """
+        return not self._handling and self._queue.empty()
+
     async def _run(self) -> None:
         while not (self.counters.closed and self.state is State.STOPPED and self._queue.empty()):
             event, reply = await self._queue.get()
-            try:
-                self._handle(event, reply)
-            except Exception as exc:  # a bug must not kill the owner: the caller hears it, the log has it
-                log.exception("%s: handling %r failed", self.name, event)
-                if reply is not None and not reply.done():
-                    reply.set_exception(exc)
+            self._dispatch(event, reply)
         self._cancel(*list(self._helpers))  # closed and stopped: no timer or watch outlives the backend
+
+    def _dispatch(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._handling = True
+        try:
+            self._handle(event, reply)
+        except Exception as exc:  # a bug must not kill the owner: the caller hears it, the log has it
+            log.exception("%s: handling %r failed", self.name, event)
+            if reply is not None and not reply.done():
+                reply.set_exception(exc)
+        finally:
+            self._handling = False
 
     def _handle(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         if reply is not None and reply.done():
@@ -271,7 +307,7 @@ class Backend:
             self._settling.append(reply)
         elif reply is not None and not reply.done() and not isinstance(event, m.Want):
             reply.set_result(None)
-        if self.state in SETTLED and not self.counters.draining:
+        if self._settling and self.state in SETTLED and not self.counters.draining:
             settling, self._settling = self._settling, []
             for waiter in settling:
                 if not waiter.done():
@@ -282,7 +318,7 @@ class Backend:
         if isinstance(event, m.Started):
             self._landed(event)
         old = self.state
-        decision = m.decide(old, event, self.counters, self.spec.tuning, self._rt.clock())
+        decision = m.decide(old, event, self.counters, self._tuning, self._rt.clock())
         self.counters = decision.counters
         if decision.state is not old:
             self._set_state(decision.state)

@@ -75,6 +75,7 @@ class ProcessManager:
         self._holding: set[str] = set()  # granted room, process not yet gone
         self._evicting: set[str] = set()
         self._change = asyncio.Event()
+        self._room_waiters = 0
 
     # -- listeners ------------------------------------------------------------------------------
 
@@ -176,9 +177,11 @@ class ProcessManager:
                     retry_after_s=BUSY_RETRY_AFTER_S,
                 )
             change = asyncio.ensure_future(self._change.wait())
+            self._room_waiters += 1
             try:
                 await self._runtime.wait_done(change, remaining)
             finally:
+                self._room_waiters -= 1
                 change.cancel()
 
     def _evict(self, victim: str, target: str) -> None:
@@ -195,10 +198,12 @@ class ProcessManager:
         await self.make_room(backend.name, scopes, backend.spec.startup_timeout_s)
 
     def _changed(self, backend: Backend) -> None:
-        if backend.state in (State.STOPPED, State.BACKOFF):
+        state = backend.state
+        if state is State.STOPPED or state is State.BACKOFF:
             self._holding.discard(backend.name)
             self._evicting.discard(backend.name)
-        elif backend.state is State.READY and not backend.spec.remote:
+        elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
             self._holding.add(backend.name)
-        self._change.set()
-        self._change = asyncio.Event()  # the next waiters wait for the next change
+        if self._room_waiters:
+            self._change.set()
+            self._change = asyncio.Event()  # the next waiters wait for the next change

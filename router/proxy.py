@@ -100,26 +100,14 @@ async def _fatal(
     except UpstreamError:
         detail = "no detail"
     log.warning("%s reported a fatal engine error (%s); restarting it", model.spec.name, detail)
-    restart = model.backend.restart("fatal", generation=lease.generation)
+    restart = model.backend.restart("fatal", generation=lease.generation)  # queued now, before any later request
     if _can_retry(model, req, may_retry):
         await restart  # the retry must land on the fresh process
         return None
-    task = asyncio.create_task(restart)
-    _BACKGROUND.add(task)  # the loop keeps only a weak reference to a task
-    task.add_done_callback(_background_done)
     raise ServiceUnavailable(
         f"model {model.spec.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
         retry_after_s=2.0,
     )
-
-
-_BACKGROUND: set[asyncio.Task[None]] = set()
-
-
-def _background_done(task: asyncio.Task[None]) -> None:
-    _BACKGROUND.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("background restart failed: %s", task.exception())
 
 
 def _error_message(body: bytes) -> str:

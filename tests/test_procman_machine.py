@@ -86,12 +86,12 @@ def test_stopped_stays_on_stop() -> None:
 
 
 def test_stopped_update_swaps_the_spec_and_clears_failures() -> None:
-    state, c, effects = row(S.STOPPED, Update(), replace(C, failures=2, backoff_until=NOW + 5))
+    state, c, effects = row(S.STOPPED, Update(), C._replace(failures=2, backoff_until=NOW + 5))
     assert state is S.STOPPED and effects == (Swap(),) and c.failures == 0 and c.backoff_until is None
 
 
 def test_closed_refuses_every_want() -> None:
-    assert row(S.STOPPED, Want(), replace(C, closed=True))[2] == (Refuse("closed"),)
+    assert row(S.STOPPED, Want(), C._replace(closed=True))[2] == (Refuse("closed"),)
 
 
 # -- STARTING ------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_starting_parks_another_want() -> None:
 
 
 def test_starting_to_ready_when_the_start_succeeds() -> None:
-    state, c, effects = row(S.STARTING, Started("ok"), replace(C, reason="cold", ready_at=None))
+    state, c, effects = row(S.STARTING, Started("ok"), C._replace(reason="cold", ready_at=None))
     assert state is S.READY and c.generation == 2 and c.ready_at == NOW and c.idle_since == NOW
     assert effects == (Notify("start", "cold"), Watch(), Arm("idle", 60.0), Wake())
 
@@ -114,28 +114,28 @@ def test_starting_to_ready_without_idle_timer_when_idle_timeout_is_zero() -> Non
 
 
 def test_starting_to_backoff_when_a_cold_start_fails_no_background_retry() -> None:
-    state, c, effects = row(S.STARTING, Started("failed"), replace(C, reason="cold", failures=1))
+    state, c, effects = row(S.STARTING, Started("failed"), C._replace(reason="cold", failures=1))
     assert state is S.BACKOFF and c.failures == 2 and c.backoff_until == NOW + 1.0
     assert effects == (Notify("start", "cold", ok=False), Blame("start"), FailParked("failed", retry_after_s=1.0))
 
 
 def test_starting_to_backoff_when_a_relaunch_fails_arms_the_retry() -> None:
-    state, c, effects = row(S.STARTING, Started("failed"), replace(C, reason="crash", failures=2, auto=True))
+    state, c, effects = row(S.STARTING, Started("failed"), C._replace(reason="crash", failures=2, auto=True))
     assert state is S.BACKOFF and c.failures == 3 and effects[-1] == Arm("retry", 2.0)
 
 
 def test_starting_to_backoff_gives_up_after_max_retries() -> None:
-    _, c, effects = row(S.STARTING, Started("failed"), replace(C, failures=3, auto=True))
+    _, c, effects = row(S.STARTING, Started("failed"), C._replace(failures=3, auto=True))
     assert c.failures == 4 and effects[-1] == GiveUp()
 
 
 def test_starting_to_stopped_when_refused_for_room() -> None:
-    state, c, effects = row(S.STARTING, Started("refused"), replace(C, failures=0))
+    state, c, effects = row(S.STARTING, Started("refused"), C._replace(failures=0))
     assert state is S.STOPPED and effects == (FailParked("failed"),) and c.failures == 0
 
 
 def test_starting_to_backoff_when_refused_for_room_after_failures() -> None:
-    state, c, _ = row(S.STARTING, Started("refused"), replace(C, failures=2))
+    state, c, _ = row(S.STARTING, Started("refused"), C._replace(failures=2))
     assert state is S.BACKOFF and c.failures == 2  # a refusal is no failure
 
 
@@ -146,17 +146,17 @@ def test_stop_during_a_start_aborts_it_and_fails_the_waiters() -> None:
 
 
 def test_starting_to_stopping_when_the_aborted_start_left_a_process() -> None:
-    state, c, effects = row(S.STARTING, Started("aborted", has_process=True), replace(C, abort="unload"))
+    state, c, effects = row(S.STARTING, Started("aborted", has_process=True), C._replace(abort="unload"))
     assert state is S.STOPPING and c.then == "stop" and effects == (Terminate(),)
 
 
 def test_starting_to_stopping_when_the_start_won_the_race_with_its_abort() -> None:
-    state, c, effects = row(S.STARTING, Started("ok"), replace(C, abort="unload"))
+    state, c, effects = row(S.STARTING, Started("ok"), C._replace(abort="unload"))
     assert state is S.STOPPING and effects == (Terminate(),)
 
 
 def test_starting_to_stopped_when_aborted_before_the_spawn() -> None:
-    state, _, effects = row(S.STARTING, Started("aborted"), replace(C, abort="unload", reason="unload"))
+    state, _, effects = row(S.STARTING, Started("aborted"), C._replace(abort="unload", reason="unload"))
     assert state is S.STOPPED and effects == (Notify("stop", "unload"),)
 
 
@@ -166,7 +166,7 @@ def test_reload_during_a_start_keeps_the_waiters() -> None:
 
 
 def test_reload_abort_before_the_spawn_starts_the_new_spec() -> None:
-    state, c, effects = row(S.STARTING, Started("aborted"), replace(C, abort="reload", swap=True))
+    state, c, effects = row(S.STARTING, Started("aborted"), C._replace(abort="reload", swap=True))
     assert state is S.STARTING and not c.swap and effects == (Swap(), Spawn("reload", reserve=True))
 
 
@@ -188,31 +188,31 @@ def test_ready_to_stopping_on_stop_with_nothing_in_flight() -> None:
 
 
 def test_ready_drains_before_stopping() -> None:
-    state, c, effects = row(S.READY, Stop("unload"), replace(C, in_flight=2))
+    state, c, effects = row(S.READY, Stop("unload"), C._replace(in_flight=2))
     assert state is S.READY and c.draining and effects == (Arm("drain", 300.0), Disarm("idle"))
 
 
 def test_draining_parks_new_callers() -> None:
-    state, c, effects = row(S.READY, Want(count=True), replace(C, in_flight=1, draining=True))
+    state, c, effects = row(S.READY, Want(count=True), C._replace(in_flight=1, draining=True))
     assert effects == (Park(),) and c.wanted and c.in_flight == 1
 
 
 def test_ready_to_stopping_when_the_last_drained_request_ends() -> None:
-    state, c, effects = row(S.READY, Done(), replace(C, in_flight=1, draining=True))
+    state, c, effects = row(S.READY, Done(), C._replace(in_flight=1, draining=True))
     assert state is S.STOPPING and c.in_flight == 0 and effects == (Disarm("drain"), Terminate())
 
 
 def test_ready_to_stopping_when_the_drain_times_out() -> None:
-    state, _, effects = row(S.READY, DrainTimeout(), replace(C, in_flight=1, draining=True))
+    state, _, effects = row(S.READY, DrainTimeout(), C._replace(in_flight=1, draining=True))
     assert state is S.STOPPING and effects == (Terminate(),)
 
 
 def test_stop_without_drain_kills_with_requests_in_flight() -> None:
-    assert row(S.READY, Stop("shutdown", drain=False), replace(C, in_flight=3))[0] is S.STOPPING
+    assert row(S.READY, Stop("shutdown", drain=False), C._replace(in_flight=3))[0] is S.STOPPING
 
 
 def test_last_request_done_arms_the_idle_timer() -> None:
-    state, c, effects = row(S.READY, Done(), replace(C, in_flight=1))
+    state, c, effects = row(S.READY, Done(), C._replace(in_flight=1))
     assert c.in_flight == 0 and c.idle_since == NOW and effects == (Arm("idle", 60.0),)
 
 
@@ -221,13 +221,13 @@ def test_idle_tick_too_early_rearms() -> None:
 
 
 def test_ready_to_stopping_when_idle() -> None:
-    state, c, effects = row(S.READY, IdleTick(), replace(C, idle_since=NOW - 60.0))
+    state, c, effects = row(S.READY, IdleTick(), C._replace(idle_since=NOW - 60.0))
     assert state is S.STOPPING and c.reason == "idle" and effects == (Terminate(),)
 
 
 def test_idle_tick_ignored_while_a_request_is_in_flight() -> None:
-    assert row(S.READY, IdleTick(), replace(C, idle_since=0.0, in_flight=1)) == (
-        S.READY, replace(C, idle_since=0.0, in_flight=1), ())
+    assert row(S.READY, IdleTick(), C._replace(idle_since=0.0, in_flight=1)) == (
+        S.READY, C._replace(idle_since=0.0, in_flight=1), ())
 
 
 def test_ready_to_backoff_on_a_crash_relaunches_at_once() -> None:
@@ -238,12 +238,12 @@ def test_ready_to_backoff_on_a_crash_relaunches_at_once() -> None:
 
 
 def test_second_crash_waits_out_the_backoff() -> None:
-    _, c, effects = row(S.READY, Exited(generation=1), replace(C, failures=1, ready_at=NOW - 1))
+    _, c, effects = row(S.READY, Exited(generation=1), C._replace(failures=1, ready_at=NOW - 1))
     assert c.failures == 2 and effects[-1] == Arm("retry", 1.0)
 
 
 def test_crash_after_stable_uptime_counts_as_a_first_failure() -> None:
-    _, c, effects = row(S.READY, Exited(generation=1), replace(C, failures=3, ready_at=NOW - 30.0))
+    _, c, effects = row(S.READY, Exited(generation=1), C._replace(failures=3, ready_at=NOW - 30.0))
     assert c.failures == 1 and effects[-1] == FollowUp(RetryDue())
 
 
@@ -252,7 +252,7 @@ def test_exit_of_an_old_generation_is_ignored() -> None:
 
 
 def test_crash_while_draining_for_a_stop_still_stops() -> None:
-    state, _, effects = row(S.READY, Exited(generation=1), replace(C, in_flight=1, draining=True, reason="unload"))
+    state, _, effects = row(S.READY, Exited(generation=1), C._replace(in_flight=1, draining=True, reason="unload"))
     assert state is S.BACKOFF and effects[-1] == FollowUp(Stop("unload", drain=False))
 
 
@@ -278,7 +278,7 @@ def test_ready_to_stopping_on_manual_restart_is_graceful_and_no_failure() -> Non
 
 
 def test_update_of_a_ready_backend_drains_then_restarts() -> None:
-    state, c, effects = row(S.READY, Update(), replace(C, in_flight=1))
+    state, c, effects = row(S.READY, Update(), C._replace(in_flight=1))
     assert state is S.READY and c.draining and c.swap and c.then == "start"
     assert Arm("drain", 300.0) in effects
 
@@ -297,12 +297,12 @@ def test_retune_rewatches_and_rearms_the_idle_timer() -> None:
 
 
 def test_stopping_to_stopped_when_reaped() -> None:
-    state, c, effects = row(S.STOPPING, Reaped(), replace(C, then="stop", reason="unload"))
+    state, c, effects = row(S.STOPPING, Reaped(), C._replace(then="stop", reason="unload"))
     assert state is S.STOPPED and effects == (Notify("stop", "unload"),)
 
 
 def test_stopping_to_stopped_then_a_fresh_start_for_parked_callers() -> None:
-    _, c, effects = row(S.STOPPING, Reaped(), replace(C, then="stop", reason="evict", wanted=True))
+    _, c, effects = row(S.STOPPING, Reaped(), C._replace(then="stop", reason="evict", wanted=True))
     assert effects == (Notify("stop", "evict"), FollowUp(Want())) and not c.wanted
 
 
@@ -312,32 +312,32 @@ def test_stopping_parks_a_want_and_starts_again_after() -> None:
 
 
 def test_stopping_to_starting_after_a_manual_restart_keeps_its_room() -> None:
-    state, c, effects = row(S.STOPPING, Reaped(), replace(C, then="start", reason="manual"))
+    state, c, effects = row(S.STOPPING, Reaped(), C._replace(then="start", reason="manual"))
     assert state is S.STARTING and effects == (Spawn("manual", reserve=False),)
 
 
 def test_stopping_to_starting_after_a_reload_swaps_first() -> None:
-    state, c, effects = row(S.STOPPING, Reaped(), replace(C, then="start", reason="reload", swap=True, failures=2))
+    state, c, effects = row(S.STOPPING, Reaped(), C._replace(then="start", reason="reload", swap=True, failures=2))
     assert state is S.STARTING and effects == (Swap(), Spawn("reload", reserve=False)) and c.failures == 0
 
 
 def test_stopping_to_backoff_after_a_kill_relaunches() -> None:
-    state, c, effects = row(S.STOPPING, Reaped(), replace(C, then="fail", reason="hang", failures=1))
+    state, c, effects = row(S.STOPPING, Reaped(), C._replace(then="fail", reason="hang", failures=1))
     assert state is S.BACKOFF and c.backoff_until == NOW and effects == (FollowUp(RetryDue()),)
 
 
 def test_stopping_to_backoff_tells_parked_callers_to_come_back() -> None:
-    _, c, effects = row(S.STOPPING, Reaped(), replace(C, then="fail", reason="fatal", failures=2, wanted=True))
+    _, c, effects = row(S.STOPPING, Reaped(), C._replace(then="fail", reason="fatal", failures=2, wanted=True))
     assert effects == (FailParked("backoff", retry_after_s=1.0), Arm("retry", 1.0)) and not c.wanted
 
 
 def test_stop_while_stopping_for_a_restart_ends_stopped() -> None:
-    _, c, _ = row(S.STOPPING, Stop("unload"), replace(C, then="start"))
+    _, c, _ = row(S.STOPPING, Stop("unload"), C._replace(then="start"))
     assert c.then == "stop" and c.reason == "unload"
 
 
 def test_closed_backend_is_not_restarted_after_reaping() -> None:
-    state, _, _ = row(S.STOPPING, Reaped(), replace(C, then="start", closed=True))
+    state, _, _ = row(S.STOPPING, Reaped(), C._replace(then="start", closed=True))
     assert state is S.STOPPED
 
 
@@ -345,41 +345,41 @@ def test_closed_backend_is_not_restarted_after_reaping() -> None:
 
 
 def test_backoff_refuses_until_the_delay_is_over() -> None:
-    _, _, effects = row(S.BACKOFF, Want(), replace(C, failures=2, backoff_until=NOW + 1.5))
+    _, _, effects = row(S.BACKOFF, Want(), C._replace(failures=2, backoff_until=NOW + 1.5))
     assert effects == (Refuse("backoff", 1.5),)
 
 
 def test_backoff_to_starting_on_want_once_the_delay_is_over() -> None:
-    state, c, effects = row(S.BACKOFF, Want(), replace(C, failures=2, backoff_until=NOW))
+    state, c, effects = row(S.BACKOFF, Want(), C._replace(failures=2, backoff_until=NOW))
     assert state is S.STARTING and Spawn("cold", reserve=True) in effects and not c.auto
 
 
 def test_backoff_to_starting_when_the_retry_timer_fires() -> None:
-    state, c, effects = row(S.BACKOFF, RetryDue(), replace(C, failures=2, backoff_until=NOW, auto=True, reason="crash"))
+    state, c, effects = row(S.BACKOFF, RetryDue(), C._replace(failures=2, backoff_until=NOW, auto=True, reason="crash"))
     assert state is S.STARTING and c.auto and effects == (Disarm("retry"), Spawn("crash", reserve=True))
 
 
 def test_retry_timer_of_a_cold_failure_does_nothing() -> None:
-    assert row(S.BACKOFF, RetryDue(), replace(C, backoff_until=NOW, auto=False))[0] is S.BACKOFF
+    assert row(S.BACKOFF, RetryDue(), C._replace(backoff_until=NOW, auto=False))[0] is S.BACKOFF
 
 
 def test_backoff_to_stopped_on_stop_cancels_the_retry() -> None:
-    state, c, effects = row(S.BACKOFF, Stop("unload"), replace(C, auto=True))
+    state, c, effects = row(S.BACKOFF, Stop("unload"), C._replace(auto=True))
     assert state is S.STOPPED and not c.auto and effects == (Disarm("retry"), Notify("stop", "unload"))
 
 
 def test_backoff_update_while_relaunching_starts_the_new_spec() -> None:
-    state, c, effects = row(S.BACKOFF, Update(), replace(C, failures=2, auto=True, backoff_until=NOW + 9))
+    state, c, effects = row(S.BACKOFF, Update(), C._replace(failures=2, auto=True, backoff_until=NOW + 9))
     assert state is S.STARTING and c.failures == 0 and effects[0] == Swap() and Spawn("reload") in effects
 
 
 def test_backoff_update_after_a_cold_failure_stays_stopped() -> None:
-    state, c, effects = row(S.BACKOFF, Update(), replace(C, failures=2, auto=False))
+    state, c, effects = row(S.BACKOFF, Update(), C._replace(failures=2, auto=False))
     assert state is S.STOPPED and c.failures == 0 and Swap() in effects
 
 
 def test_close_fails_parked_callers() -> None:
-    state, c, effects = row(S.READY, Close(drain=True), replace(C, in_flight=1))
+    state, c, effects = row(S.READY, Close(drain=True), C._replace(in_flight=1))
     assert c.closed and c.draining and effects[-1] == FailParked("closed")
 
 
@@ -390,4 +390,4 @@ def test_close_fails_parked_callers() -> None:
     (S.READY, 29.9, 2), (S.READY, 30.0, 0), (S.BACKOFF, 300.0, 2),
 ])
 def test_failures_are_forgotten_after_stable_uptime(state: State, ready_for_s: float, expected: int) -> None:
-    assert failures_now(state, replace(C, failures=2, ready_at=NOW - ready_for_s), P, NOW) == expected
+    assert failures_now(state, C._replace(failures=2, ready_at=NOW - ready_for_s), P, NOW) == expected
