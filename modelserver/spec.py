@@ -234,7 +234,7 @@ def audience_of(name: str) -> Audience:
     """Who reads the ModelSpec setting ``name`` (untagged settings count as ``engine``: they restart)."""
     extra = ModelSpec.model_fields[name].json_schema_extra
     audience = extra.get("audience") if isinstance(extra, dict) else None
-    return audience if audience in AUDIENCES else "engine"  # type: ignore[return-value]
+    return audience if audience in AUDIENCES else "engine"
 
 
 def fields_for(*audiences: Audience) -> frozenset[str]:

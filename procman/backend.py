@@ -429,7 +429,8 @@ class Backend:
             self._helper("watch", self._watch_process(running, self.generation))
 
     def _arm(self, effect: m.Arm, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
-        fire: m.Event = {"idle": m.IdleTick(), "retry": m.RetryDue(), "drain": m.DrainTimeout()}[effect.timer]
+        timers: dict[str, m.Event] = {"idle": m.IdleTick(), "retry": m.RetryDue(), "drain": m.DrainTimeout()}
+        fire = timers[effect.timer]
         self._helper(effect.timer, self._timer(effect.delay_s, fire))
 
     def _disarm(self, effect: m.Disarm, event: m.Event, reply: asyncio.Future[Any] | None) -> None:

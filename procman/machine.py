@@ -13,8 +13,9 @@ Failure counting, the stability reset and the backoff live here and nowhere else
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from procman.events import (
     Abort,
@@ -163,8 +164,8 @@ def backoff_remaining(counters: Counters, now: float) -> float:
 
 def decide(state: State, event: Event, counters: Counters, policy: Policy, now: float) -> Decision:
     """What ``event`` does to a backend in ``state``: the next state, counters and effects."""
-    handler = _HANDLERS[type(event)]
-    return handler(state, event, counters, policy, now)  # type: ignore[operator]
+    handler: Callable[[State, Any, Counters, Policy, float], Decision] = _HANDLERS[type(event)]
+    return handler(state, event, counters, policy, now)
 
 
 def _same(state: State, c: Counters, *effects: Effect) -> Decision:
@@ -400,7 +401,7 @@ def _on_retune(state: State, e: Retune, c: Counters, p: Policy, now: float) -> D
     return _same(state, c, Watch(), *idle)
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]] = {
     Want: _on_want,
     Done: _on_done,
     Stop: _on_stop,
