@@ -510,6 +510,20 @@ async def test_update_of_a_loaded_backend_drains_and_starts_the_new_spec(h: Harn
     assert backend.state is State.READY and h.recorder.starts[-1] == ("m", "reload", True)
 
 
+async def test_update_of_supervision_settings_retunes_the_running_process(h: Harness) -> None:
+    backend = h.add(idle_timeout_s=600.0, health_interval_s=60.0)
+    await backend.ensure_ready()
+    pid = backend.pid
+    tuned = replace(backend.spec, idle_timeout_s=10.0, health_interval_s=1.0, policy=RestartPolicy(max_retries=1))
+    await backend.update(tuned)
+    assert backend.pid == pid and len(h.spawner.procs) == 1 and backend.spec == tuned
+    probes = len(h.prober.calls)
+    await h.clock.advance(9.0)
+    assert len(h.prober.calls) - probes >= 8  # the watch took the new health_interval_s
+    await h.clock.advance(1.0)
+    assert backend.state is State.STOPPED and h.recorder.stops == [("m", "idle")]  # and the new idle_timeout_s
+
+
 async def test_update_of_a_stopped_backend_stays_stopped(h: Harness) -> None:
     backend = h.add(env={"V": "1"})
     await backend.update(replace(backend.spec, env={"V": "2"}))
