@@ -10,6 +10,7 @@ thin layer over httptools.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -76,12 +77,18 @@ class UpstreamPool:
     def pool(self, address: Address) -> ConnectionPool:
         pool = self._pools.get(address)
         if pool is None:
+            self._prune()
             if address.kind == "uds":
                 pool = ConnectionPool(uds=address.path, connect_timeout_s=CONNECT_TIMEOUT_S)
             else:
                 pool = ConnectionPool(url=address.base_url, connect_timeout_s=CONNECT_TIMEOUT_S)
             self._pools[address] = pool
         return pool
+
+    def _prune(self) -> None:
+        """Close the pools of processes that are gone (each process has its own socket; a gone one's file is too)."""
+        for address in [a for a in self._pools if a.kind == "uds" and a.path and not os.path.exists(a.path)]:
+            self._pools.pop(address).close()
 
     async def close(self) -> None:
         pools, self._pools = list(self._pools.values()), {}
