@@ -211,9 +211,9 @@ class Backend:
         """
         if spec.name != self.name:
             raise ValueError(f"update of {self.name!r} got a spec named {spec.name!r}")
-        if spec == self.spec:
+        if spec == self._next_spec:
             return
-        if spec.process_view == self.spec.process_view:
+        if spec.process_view == self.spec.process_view and not self.counters.swap:
             await self.retune(spec)
             return
         self._next_spec = spec
@@ -221,7 +221,7 @@ class Backend:
 
     async def retune(self, spec: BackendSpec) -> None:
         """New supervision settings (timeouts, health, idle, restart policy) for the running process."""
-        if spec.process_view != self.spec.process_view:
+        if spec.process_view != self.spec.process_view or self.counters.swap:
             raise ValueError(f"{self.name}: retune cannot change what the process runs; use update()")
         self._next_spec = spec
         await self._ask(m.Retune())
