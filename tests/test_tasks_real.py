@@ -157,6 +157,24 @@ def test_rerank_scores_every_document_and_counts_tokens(reranker: ModelServerPro
     assert full["usage"]["prompt_tokens"] == 4 * 4 + (2 + 3 + 5 + 2)  # the query per document, then each document
 
 
+def test_a_rerank_batch_gives_each_request_what_it_gets_alone() -> None:
+    from modelserver.engines.rerank import load
+
+    engine = load(build_model_spec("rerank", {"task": "rerank", "path": model_path("rerank-tiny-ov")}))
+    try:
+        docs = [["a cat", "the mat"], ["stock markets fell", "a cat", "dogs bark"], ["the mat"]]
+        jobs = [(query, documents) for query in ("cat on a mat", "markets") for documents in docs]
+        together = engine._rerank_all(jobs)  # what the batcher calls for requests that met
+        for job, result in zip(jobs, together, strict=True):
+            (alone,) = engine._rerank_all([job])
+            assert [index for index, _ in result.ranking] == [index for index, _ in alone.ranking]
+            assert [score for _, score in result.ranking] == pytest.approx([score for _, score in alone.ranking],
+                                                                           abs=1e-4)
+            assert result.prompt_tokens == alone.prompt_tokens
+    finally:
+        engine.close()
+
+
 # -- transcription ------------------------------------------------------------------------------
 
 

@@ -6,8 +6,10 @@ is applied per request by the api layer, so the pipeline is built to return all 
 model's tokens (special tokens excluded).
 
 Concurrent requests are gathered as for embeddings (:mod:`modelserver.engines.batching`)
-and run in one hop to the model's worker; requests with the same query share one pipeline
-call (the pipeline scores one query per call, so different queries are scored in turn).
+and run in one hop to the model's worker, one pipeline call each: the pipeline scores one
+query per call, and merging the documents of requests with the same query is not done
+because openvino_genai 2026.4's pipeline over a single-input tokenizer (the test model's)
+aborts the process on five or more documents in one call.
 
 ``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
 ``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32).
@@ -73,17 +75,8 @@ class OpenVINOReranker:
         return result
 
     def _rerank_all(self, jobs: list[Job]) -> list[RerankResult]:
-        """On the worker: one pipeline call per distinct query, each job's ranking and count split back."""
-        rankings: list[list[tuple[int, float]]] = [[] for _ in jobs]
-        by_query: dict[str, list[int]] = {}
-        for number, (query, _) in enumerate(jobs):
-            by_query.setdefault(query, []).append(number)
-        for query, numbers in by_query.items():
-            documents = [document for number in numbers for document in jobs[number][1]]
-            owner = [(number, offset) for number in numbers for offset in range(len(jobs[number][1]))]
-            for index, score in self._pipe.rerank(query, documents):  # best first, over all these jobs
-                number, offset = owner[int(index)]
-                rankings[number].append((offset, float(score)))
+        """On the worker: each job's ranking (one pipeline call each), the token counts in one encode."""
+        rankings = [[(int(i), float(score)) for i, score in self._pipe.rerank(query, docs)] for query, docs in jobs]
         counts = self._counts(jobs)
         return [RerankResult(ranking=ranking, prompt_tokens=count) for ranking, count in zip(rankings, counts,
                                                                                             strict=True)]
