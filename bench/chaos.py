@@ -48,7 +48,8 @@ log = logging.getLogger("chaos")
 CLIENTS = 6
 HUNG_S = 60.0
 FAULTED = ("alpha", "beta")
-MARKERS = ("[[fatal]]", "[[crash]]", "[[hang]]", "[[error]]")
+MARKERS = ("[[fatal]]", "[[crash]]", "[[hang]]", "[[error]]", "[[suspect]]", "[[stall]]", "[[crash-mid]]",
+           "[[fatal-mid]]", "[[abort]]")
 
 
 @dataclass(slots=True)
@@ -67,13 +68,21 @@ class Tally:
 
 def models(real: bool) -> dict[str, Any]:
     chosen: dict[str, Any] = {
-        "alpha": fake_model(load_s=0.3, token_delay_s=0.01),
-        "beta": fake_model(load_s=0.3, token_delay_s=0.01),
+        "alpha": fake_model(load_s=0.3, token_delay_s=0.01, stall_timeout_s=3),
+        "beta": fake_model(load_s=0.3, token_delay_s=0.01, stall_timeout_s=3),
         "calm": fake_model(load_s=0.3, token_delay_s=0.01),
+        "wrapped": wrapped_model(),
     }
     if real and DEMO_GGUF.exists():
         chosen["smollm2"] = {"task": "llm", "path": str(DEMO_GGUF), "save_ov_model": True, "max_concurrency": 4}
     return chosen
+
+
+def wrapped_model() -> dict[str, Any]:
+    """A fake model started through a shell (its server is the shell's child): the router's
+    ``kill -9`` at the end must take the grandchild with it."""
+    server = f"{sys.executable} -m modelserver --engine fake --name wrapped --uds ${{SOCKET}}"
+    return {"command": ["sh", "-c", f"{server} & wait"], "preload": True}
 
 
 def chat(model: str, text: str, stream: bool) -> dict[str, Any]:
@@ -244,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=2.0, help="seconds between chaos actions")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-real", action="store_true", help="fake models only (no real demo model)")
+    parser.add_argument("--kill-router", action="store_true", help="end with kill -9 of the router, not SIGTERM")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     seconds = min(args.seconds, 300.0)
@@ -253,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                                {"health_interval_s": 1, "health_failures": 2, "request_timeout_s": 50})
         router = start_router(procs, Path(tmp), config)
         tally = asyncio.run(soak(router, config, seconds, args.every, args.seed))
-        procs.stop(router.proc, timeout_s=30)
+        if args.kill_router:
+            router.proc.kill()  # kill -9: no shutdown, only PDEATHSIG and the watchdog clean up
+            router.proc.wait(10)
+        else:
+            procs.stop(router.proc, timeout_s=30)
         time.sleep(1.0)  # a moment for the kernel to deliver PDEATHSIG to the last children
         orphans = model_processes(state_dir)
         for proc in orphans:
