@@ -18,8 +18,12 @@ import collections
 import contextlib
 import json
 import logging
+import signal
+import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from procman import Backend, State
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
     from router.service import RouterService
 
 __all__ = ["Console", "read_rss_bytes"]
+
+EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class Console:
         self.reported: dict[str, dict[str, Any]] = {}  # the last /health answer of each model server
         self.activity = Activity(service.metrics, self.bus, self.load_s.get)
         self._loading: dict[str, asyncio.Task[None]] = {}
+        self._closing: asyncio.Event | None = None
         manager = service.registry.manager
         if hasattr(manager, "add_listener"):  # procman with a list of listeners
             manager.add_listener(self)
@@ -112,6 +119,61 @@ class Console:
                                              "estimate_s": _round(self.load_s.get(backend.name))})
                 await asyncio.sleep(LOADING_TICK_S)
         self._loading.pop(backend.name, None)
+
+    # -- long-lived streams end when the server shuts down ------------------------------------
+
+    async def until_closing(self, source: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``source`` until the server begins to shut down (then it ends, and the client sees the end).
+
+        uvicorn's graceful shutdown waits for responses in progress; an open dashboard's event
+        stream or log follow would otherwise hold every Ctrl-C for ``shutdown_timeout_s``."""
+        closing = self._closing_event()
+        waiter = asyncio.ensure_future(closing.wait())
+        item: asyncio.Future[bytes] | None = None
+        try:
+            while not closing.is_set():
+                item = asyncio.ensure_future(anext(source))
+                await asyncio.wait({item, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if not item.done():
+                    return
+                try:
+                    chunk = item.result()
+                except StopAsyncIteration:
+                    return
+                item = None
+                yield chunk
+        finally:
+            waiter.cancel()
+            if item is not None and not item.done():
+                item.cancel()
+                await asyncio.wait({item})  # the source must be idle before it is closed
+            await source.aclose()  # type: ignore[attr-defined]
+
+    def close_streams(self) -> None:
+        """End every stream of :meth:`until_closing` (the server is shutting down)."""
+        self._closing_event().set()
+
+    def _closing_event(self) -> asyncio.Event:
+        if self._closing is None:
+            self._closing = asyncio.Event()
+            self._chain_exit_signals(asyncio.get_running_loop())
+        return self._closing
+
+    def _chain_exit_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Hear uvicorn's SIGINT/SIGTERM too: chained in front of its handler (it restores its own at exit)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in EXIT_SIGNALS:
+            previous = signal.getsignal(sig)
+            if type(getattr(previous, "__self__", None)).__module__.split(".")[0] != "uvicorn":
+                continue  # only uvicorn's own handler (not a test runner's, not the default)
+
+            def handler(signum: int, frame: FrameType | None, previous: Any = previous) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone
+                    loop.call_soon_threadsafe(self.close_streams)
+                previous(signum, frame)
+
+            signal.signal(sig, handler)
 
     # -- figures ----------------------------------------------------------------------------------
 

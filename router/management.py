@@ -69,7 +69,8 @@ def management_routes(service: RouterService) -> list[Route]:
         model = _model(service, request)
         lines = _int_param(request, "lines", 200)
         if request.query_params.get("follow") in ("1", "true", "yes"):
-            return StreamingResponse(_follow(model), media_type="text/plain; charset=utf-8")
+            follow = service.console.until_closing(_follow(model))  # ends when the server shuts down
+            return StreamingResponse(follow, media_type="text/plain; charset=utf-8")
         return Response("".join(line + "\n" for line in model.backend.logs.tail(lines)),
                         media_type="text/plain; charset=utf-8")
 

@@ -86,7 +86,8 @@ def console_routes(service: RouterService) -> list[Route]:
         raw = request.query_params.get("kinds")
         kinds = {k.strip() for k in raw.split(",") if k.strip()} if raw else None
         headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        return StreamingResponse(_stream(service, kinds), media_type="text/event-stream", headers=headers)
+        stream = service.console.until_closing(_stream(service, kinds))
+        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
 
     async def requests(request: Request) -> Response:
         return JSONResponse({"requests": service.console.activity.rows()})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +240,22 @@ async def test_the_real_pipeline_reports_kv_cache_figures(tmp_path: Path, demo_g
         assert _value(samples, "ovrouter_time_to_first_token_seconds_count", model="smollm2") == 1
         assert _value(samples, "ovrouter_completion_tokens_total", model="smollm2") == usage[-1]["completion_tokens"]
         assert _value(samples, "ovrouter_prompt_tokens_total", model="smollm2") == usage[-1]["prompt_tokens"]
+
+
+async def test_event_and_log_streams_end_when_the_server_shuts_down(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"m": fake_model()})
+    async with running_router(config) as router:
+        assert (await router.client.post("/api/models/m/load")).status_code == 200
+        async with router.client.stream("GET", "/api/events") as events, \
+                router.client.stream("GET", "/api/models/m/logs?follow=1") as logs:
+            event_lines, log_lines = events.aiter_lines(), logs.aiter_lines()
+            assert await anext(event_lines) == "event: snapshot"
+            assert await anext(log_lines)  # the log so far
+            router.service.console.close_streams()  # what uvicorn's SIGINT/SIGTERM handler now also does
+            await asyncio.wait_for(_drain(event_lines), 10)  # both streams end: the server need not wait on them
+            await asyncio.wait_for(_drain(log_lines), 10)
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    async for _ in lines:
+        pass
