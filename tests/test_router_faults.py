@@ -156,3 +156,31 @@ async def test_client_errors_carry_no_log_tail_or_socket_path(tmp_path: Path) ->
         poison = await router.client.post("/v1/chat/completions", json=chat("[[crash]]"))
         message = poison.json()["error"]["message"]
         assert "\n" not in message and "sock" not in message and "pid" not in message
+
+
+async def test_a_hung_model_with_a_stream_in_flight_never_blocks_an_unload_or_the_next_request(
+    tmp_path: Path,
+) -> None:
+    fast_health = {"health_interval_s": 0.3, "health_timeout_s": 0.3, "health_failures": 2}
+    async with running_router(config(tmp_path, **fast_health)) as router:
+        lines: list[str] = []
+        stopped = asyncio.Event()
+
+        async def read_stream() -> None:
+            async for line in stream_lines(router, chat(WORDS, stream=True)):
+                lines.append(line)
+                if len(lines) == 4:
+                    pid = router.backend("echo").pid
+                    assert pid is not None
+                    os.kill(pid, signal.SIGSTOP)  # hung mid-stream: no token, no health answer
+                    stopped.set()
+
+        reader = asyncio.create_task(read_stream())
+        await asyncio.wait_for(stopped.wait(), 20)
+        unload = asyncio.create_task(router.client.post("/api/models/echo/unload"))
+        await asyncio.sleep(0.1)
+        nxt = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat("next one")))
+        done, _ = await asyncio.wait({reader, unload, nxt}, timeout=30)
+        assert len(done) == 3, "something waited behind the drain of a hung process"
+        assert (await unload).status_code == 200 and (await nxt).status_code == 200
+        assert_whole_answer("\n\n".join(lines) + "\n\n")  # the stream was resumed on a fresh process
