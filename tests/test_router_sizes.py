@@ -154,3 +154,61 @@ def test_model_memory_settings_are_validated() -> None:
     assert SizeStore(None).size_of(declared).as_dict() == {"device": "GPU.1", "bytes": 2 * G, "source": "declared"}
     with pytest.raises(ConfigError, match="models.m.restart: expected one of"):
         spec("m", engine="fake", restart="sometimes")
+
+
+class _Backend:
+    def __init__(self, address: object, pid: int) -> None:
+        from procman import State
+
+        self.state, self.address, self.pid = State.READY, address, pid
+
+
+async def test_memory_watch_records_what_health_reports(tmp_path: Path) -> None:
+    import asyncio
+
+    from procman import Address
+    from router.memwatch import MemoryWatch
+
+    body = json.dumps({"status": "ready", "memory": {"device": "CPU", "counted_bytes": 42 * M}}).encode()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    socket = tmp_path / "m.sock"
+    server = await asyncio.start_unix_server(serve, path=str(socket))
+    try:
+        store = SizeStore(tmp_path / "memory.json")
+        model = spec("m", engine="fake")
+        watch = MemoryWatch(store, lambda: [(model, _Backend(Address(kind="uds", path=str(socket)), 7))])
+        await watch.sample()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert store.size_of(model).as_dict() == {"device": "CPU", "bytes": 42 * M, "source": "measured"}
+    assert watch.reports["m"]["counted_bytes"] == 42 * M
+
+
+async def test_memory_watch_reads_a_command_backends_peak_from_proc(tmp_path: Path) -> None:
+    import os
+
+    from router.memwatch import MemoryWatch, peak_rss_of
+
+    store = SizeStore(None)
+    command = spec("c", command=["srv", "${SOCKET}"])
+    await MemoryWatch(store, lambda: [(command, _Backend(None, os.getpid()))]).sample()
+    if peak_rss_of(os.getpid()) is not None:  # Linux
+        assert store.size_of(command).source == "measured" and store.size_of(command).bytes > 0
+
+
+def test_budgets_now_resolves_auto_with_reported_gpu_totals(tmp_path: Path) -> None:
+    from router.memwatch import budgets_now
+
+    store = SizeStore(None)
+    models = [spec("g", path=str(tmp_path), device="GPU.1"), spec("r", url="http://127.0.0.1:9", device="GPU.2")]
+    assert set(budgets_now("auto", models, store)) == {"CPU"}  # GPU.1's total is not known yet
+    store.record("g", 1, {"device": "GPU.1", "counted_bytes": G, "device_total_bytes": 10 * G})
+    assert budgets_now("auto", models, store)["GPU.1"] == 9 * G
+    assert budgets_now(None, models, store) == {}

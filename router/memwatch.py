@@ -1,0 +1,114 @@
+"""Measuring the loaded models: their ``/health`` memory report into the :class:`~router.sizes.SizeStore`.
+
+Every :data:`SAMPLE_INTERVAL_S`, and at once when a model becomes READY (:meth:`MemoryWatch.wake`),
+each READY model server is asked ``GET /health`` and its ``memory`` object is recorded (see
+:mod:`modelserver.memory`). A ``command:`` backend reports nothing of the kind: its peak RSS
+is read from ``/proc/<pid>/status`` (``VmHWM``, Linux; its own process, not children it
+spawned) unless it declares ``memory_mb``. A remote ``url:`` backend is never measured.
+
+:func:`budgets_now` turns ``router.memory_budget`` into bytes per device with what is known
+now (physical memory, the GPU totals the model servers reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from modelserver.spec import ModelSpec
+from procman import Backend, HttpProber, State
+from router.budget import budget_device, physical_memory_bytes, resolve_budget
+from router.sizes import SizeStore
+
+__all__ = ["SAMPLE_INTERVAL_S", "MemoryWatch", "budgets_now", "peak_rss_of"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two measurements of the loaded models.
+SAMPLE_INTERVAL_S = 5.0
+HEALTH_TIMEOUT_S = 2.0
+
+Loaded = Callable[[], Iterable[tuple[ModelSpec, Backend]]]
+
+
+def peak_rss_of(pid: int | None) -> int | None:
+    """``VmHWM`` of ``pid`` (bytes), None off Linux or once it is gone."""
+    if not pid:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def budgets_now(setting: Any, specs: Iterable[ModelSpec], store: SizeStore) -> dict[str, int]:
+    """``router.memory_budget`` in bytes per device, from what is known now (see :mod:`router.budget`)."""
+    devices = {budget_device(s.device) for s in specs if s.url is None}
+
+    def total(device: str) -> int | None:
+        return physical_memory_bytes() if device == "CPU" else store.device_total(device)
+
+    return resolve_budget(setting, devices, total)
+
+
+class MemoryWatch:
+    """One task that measures READY backends; ``wake()`` asks for a measurement now."""
+
+    def __init__(self, store: SizeStore, loaded: Loaded, interval_s: float = SAMPLE_INTERVAL_S,
+                 prober: HttpProber | None = None) -> None:
+        self.store = store
+        self._loaded = loaded
+        self.interval_s = interval_s
+        self._prober = prober or HttpProber()
+        self._wake = asyncio.Event()
+        self.reports: dict[str, dict[str, Any]] = {}  # the last memory object of each model
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self.sample()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+
+    async def sample(self) -> None:
+        """Measure every READY backend once (concurrently, each bounded)."""
+        ready = [(spec, backend) for spec, backend in self._loaded()
+                 if backend.state is State.READY and spec.url is None]
+        await asyncio.gather(*(self._measure(spec, backend) for spec, backend in ready))
+
+    async def _measure(self, spec: ModelSpec, backend: Backend) -> None:
+        pid, address = backend.pid, backend.address
+        if spec.command is not None:
+            if spec.memory_mb is None and (peak := peak_rss_of(pid)):
+                self._record(spec.name, pid, {"device": spec.device, "counted_bytes": peak, "peak_rss_bytes": peak})
+            return
+        if address is None:
+            return
+        try:
+            status, body = await self._prober.fetch(address, spec.health_path, HEALTH_TIMEOUT_S)
+            memory = json.loads(body).get("memory") if status == 200 else None
+        except (OSError, ValueError, TimeoutError, AttributeError, asyncio.IncompleteReadError) as exc:
+            log.debug("memory of %s unavailable: %s", spec.name, exc)
+            return
+        if isinstance(memory, dict):
+            self._record(spec.name, pid, memory)
+
+    def _record(self, name: str, pid: int | None, memory: dict[str, Any]) -> None:
+        self.reports[name] = memory
+        if self.store.record(name, pid, memory):
+            log.debug("%s pid=%s measured: %s bytes on %s", name, pid, memory.get("counted_bytes"),
+                      memory.get("device"))
+
+    def forget(self, name: str) -> None:
+        self.reports.pop(name, None)
