@@ -391,3 +391,13 @@ def test_close_fails_parked_callers() -> None:
 ])
 def test_failures_are_forgotten_after_stable_uptime(state: State, ready_for_s: float, expected: int) -> None:
     assert failures_now(state, C._replace(failures=2, ready_at=NOW - ready_for_s), P, NOW) == expected
+
+
+def test_procman_readme_carries_the_state_table_decide_computes() -> None:
+    from pathlib import Path
+
+    from procman.table import BEGIN, END, markdown
+
+    readme = (Path(__file__).resolve().parent.parent / "procman" / "README.md").read_text()
+    shown = readme[readme.index(BEGIN) : readme.index(END) + len(END)]
+    assert shown == markdown(), "procman/README.md's state table is stale: paste `python -m procman.table`"
