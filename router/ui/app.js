@@ -123,6 +123,9 @@ function onEvent(kind, d) {
       if (d.at) state.stateLagMs.push(Date.now() - d.at * 1000);
       break;
     }
+    case "loaded":
+      if (!d.ok) toast(`${d.model} failed to start: ${String(d.last_error || "see its log").split("\n")[0]}`, true);
+      break;
     case "loading":
       state.loading.set(d.model, d);
       renderModels();
