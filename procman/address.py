@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 
 #: sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 MAX_SOCKET_PATH = 103
-#: The widest socket number the fallback directory is sized for.
-SOCKET_NUMBER_ROOM = "999"
 
 _CLASH = re.compile(r"address already in use|eaddrinuse|errno 98\b|only one usage of each socket address", re.I)
 _SAFE = re.compile(r"[A-Za-z0-9._-]{1,48}")
@@ -132,9 +130,9 @@ class AddressAllocator:
             self._socket_dir = self._pick_socket_dir()
         return self._socket_dir
 
-    def _pick_socket_dir(self) -> Path:
+    def _pick_socket_dir(self, too_deep: bool = False) -> Path:
         wanted = self._runtime_dir / "sockets"
-        if _fits(wanted / f"{short_name('')}-{SOCKET_NUMBER_ROOM}.sock"):
+        if not too_deep and _fits(wanted / f"{short_name('')}-1.sock"):
             return _private_dir(wanted)
         self._own_temp_dir = True  # runtime_dir is too deep for sun_path: a short private dir instead
         path = Path(tempfile.mkdtemp(prefix="ovrouter-"))
@@ -147,6 +145,9 @@ class AddressAllocator:
             self._sockets += 1
             path = self.socket_dir / f"{safe_name(name)}-{self._sockets}.sock"
             if not _fits(path):
+                path = self.socket_dir / f"{short_name(name)}-{self._sockets}.sock"
+            if not _fits(path) and not self._own_temp_dir:  # the numbers grew too long for runtime_dir
+                self._socket_dir = self._pick_socket_dir(too_deep=True)
                 path = self.socket_dir / f"{short_name(name)}-{self._sockets}.sock"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # left by a router before this one (its processes are gone with it)

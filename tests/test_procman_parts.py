@@ -303,3 +303,14 @@ async def test_http_prober_times_out_on_a_silent_server(tmp_path: Path) -> None:
 def test_a_non_zero_exit_is_fatal_when_its_last_lines_match(code: int, tail: list[str], cause: str) -> None:
     patterns = ("CL_OUT_OF_RESOURCES", "error code: -5", "failed with code 1879048193")
     assert exit_cause(code, tail, patterns) == cause
+
+
+def test_socket_numbers_too_long_for_the_runtime_dir_move_to_a_short_private_dir(tmp_path: Path) -> None:
+    allocator = AddressAllocator(tmp_path / ("d" * 40))
+    first = allocator.allocate("m", "uds")
+    allocator._sockets = 10**30  # a router that restarted its models very, very often
+    later = allocator.allocate("m", "uds")
+    assert first.path is not None and later.path is not None and len(later.path.encode()) <= 103
+    assert Path(later.path).parent != Path(first.path).parent
+    assert stat.S_IMODE(Path(later.path).parent.stat().st_mode) == 0o700
+    allocator.close()
