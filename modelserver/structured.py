@@ -112,7 +112,8 @@ _BASE_RULES = {
     "object": '"{" ( string ":" ws value ( "," ws string ":" ws value )* )? "}"',
     "array": '"[" ( value ( "," ws value )* )? "]"',
     "char": '[^"\\\\\\x00-\\x1f] | "\\\\" ( ["\\\\/bfnrt] | "u" [0-9a-fA-F]{4} )',
-    "string": '"\\"" char* "\\""',
+    "string": '"\\"" string-rest',
+    "string-rest": '"\\"" | char string-rest',  # right recursion: XGrammar runs it ~2x faster than char*
     "integer": '"-"? ( "0" | [1-9] [0-9]{0,15} )',
     "number": 'integer ( "." [0-9]{1,16} )? ( [eE] [+-]? [0-9]{1,3} )?',
 }
@@ -248,7 +249,7 @@ class _SchemaGrammar:
         for name in ("value", "object", "array"):
             if name in needed:
                 needed |= {"value", "object", "array", "string", "number", "ws"}
-        needed |= {"char"} if "string" in needed else set()
+        needed |= {"char", "string-rest"} if "string" in needed else set()
         needed |= {"integer"} if "number" in needed else set()
         needed.add("ws")
         lines = [f"root ::= {root_expr}"]
