@@ -250,7 +250,8 @@ async def test_group_evicts_the_idle_model_and_waits_for_a_busy_one(tmp_path: Pa
         while len(r.upstream.calls) < 3:
             await asyncio.sleep(0)
         waiting = asyncio.ensure_future(r.post("/v1/chat/completions", chat("a")))
-        await asyncio.sleep(0.05)
+        while not r.harness.manager._room_waiters:  # a's start now waits for room, woken by changes only
+            await asyncio.sleep(0)
         assert not waiting.done() and r.backend("b").state is State.READY  # a busy model is never killed for room
         release.set()
         assert (await stream).status == 200 and (await waiting).status == 200
