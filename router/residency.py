@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelserver.spec import ModelSpec
-from procman import Backend, BackendSpec, BackendUnavailable, State
+from procman import Backend, BackendSpec, State
 from procman.placement import Claim
 from router.memwatch import MemoryWatch, budgets_now
 from router.sizes import SizeStore
@@ -170,18 +170,18 @@ class Residency:
         successor = manager.successor(name, spec)
         log.info("%s: rolling %s: starting a new process beside pid=%s", name, reason, old.pid)
         self._publish("rolling", {"model": name, "phase": "starting", "reason": reason, "old_pid": old.pid})
-        try:
-            await successor.ensure_ready()
-        except BackendUnavailable as exc:
-            self.rolling_errors[name] = f"the new process failed to start; the old one keeps serving: {exc}"
+        await successor.restart(reason)  # a start from no process, its reason the change's; settles READY or not
+        if successor.state is not State.READY:
+            error = successor.last_error or f"it ended {successor.state.value}"
+            self.rolling_errors[name] = f"the new process failed to start; the old one keeps serving: {error}"
             log.warning("%s: %s", name, self.rolling_errors[name])
-            self._publish("rolling", {"model": name, "phase": "failed", "reason": reason, "error": str(exc)})
+            self._publish("rolling", {"model": name, "phase": "failed", "reason": reason, "error": error})
             await manager.drop_successor(name)
             return None
         if self.registry.models.get(name) is not model or model.backend is not old:  # removed or replaced meanwhile
             await manager.drop_successor(name)
             return None
-        manager.promote(name)
+        manager.promote(name, restart_reason=reason if reason == "manual" else None)
         self.registry.bind(model, successor)
         self.rolling_errors.pop(name, None)
         log.info("%s: requests now go to pid=%s; pid=%s drains and stops", name, successor.pid, old.pid)
