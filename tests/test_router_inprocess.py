@@ -114,6 +114,22 @@ async def test_crash_mid_request_is_retried_once_on_a_fresh_process(tmp_path: Pa
         assert r.harness.recorder.restarts == [("echo", "crash")]
 
 
+async def test_a_request_that_crashes_the_fresh_process_too_is_a_502_never_a_hang(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(backoff_base_s=0)}) as r:
+        async def always_crashes(call: Call) -> FakeReply:
+            assert call.proc is not None
+            call.proc.exit(139)
+            raise UpstreamError("backend closed the connection")
+
+        r.upstream.handler = always_crashes
+        reply = await r.post("/v1/chat/completions", chat("echo", "[[crash]]"))
+        assert reply.status == 502 and "died" in reply.json()["error"]["message"]
+        assert len(r.upstream.calls) == 2  # retried once, never twice
+        r.upstream.handler = echo
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
+        assert r.backend("echo").starts >= 3  # first start, relaunch after crash 1, after crash 2
+
+
 async def test_crash_of_a_streamed_request_is_a_clean_502(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r:
         async def crash(call: Call) -> FakeReply:
