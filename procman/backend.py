@@ -9,6 +9,10 @@ wait; helpers that wait (a start, a stop, a watch, a timer) run as tasks of thei
 report back through the same queue. A caller that goes away (a client that disconnects)
 abandons its answer, never the work: the owner finishes what it started.
 
+The request path is the one shortcut: admitting a request and counting it done are decided
+in the caller's own turn when the queue is empty and no decision is under way — exactly the
+step the owner would take next, without two task switches per request.
+
 Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never change anything.
 """
 
