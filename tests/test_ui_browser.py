@@ -7,6 +7,7 @@ screenshots the README shows; otherwise they go to the test's temporary director
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -172,3 +173,18 @@ async def test_with_an_admin_key_the_page_asks_for_it(tmp_path: Path, browser: o
             await page.wait_for_selector(_row(page, "chat", "stopped"))
             assert "sesame" not in page.url
             assert await page.evaluate("sessionStorage.getItem('ovrouter-admin-key')") == "sesame"
+
+
+async def test_a_tab_that_falls_behind_resyncs_and_shows_every_request(tmp_path: Path, browser: object) -> None:
+    async with running_router(write_config(tmp_path, _models())) as router:
+        assert (await router.client.post("/api/models/chat/load")).status_code == 200
+        router.service.events.queue_size = 4  # a tiny queue: the burst below overflows it
+        async with _open(browser, router) as page:
+            for i in range(10):  # more than the queue holds, with no await between: this tab must resync
+                router.service.events.publish("noise", {"i": i})
+            body = {"model": "chat", "messages": [{"role": "user", "content": "burst"}]}
+            replies = await asyncio.gather(*(router.client.post("/v1/chat/completions", json=body) for _ in range(20)))
+            assert {r.status_code for r in replies} == {200}
+            await page.wait_for_function("document.querySelectorAll('#requests tbody tr').length === 20")
+            assert await page.evaluate("document.querySelector('#conn').textContent") == "live"
+            assert await page.evaluate("window.ovrouter.resyncs") >= 1

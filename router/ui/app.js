@@ -3,7 +3,7 @@
 "use strict";
 
 const KEY = "ovrouter-admin-key";
-const state = { models: new Map(), requests: new Map(), loading: new Map(), stateLagMs: [] };
+const state = { models: new Map(), requests: new Map(), loading: new Map(), stateLagMs: [], resyncs: 0 };
 const $ = (sel) => document.querySelector(sel);
 window.ovrouter = state; // for the browser tests and curious operators
 
@@ -132,19 +132,34 @@ function onEvent(kind, d) {
       break;
     case "request":
       state.requests.set(d.id, d);
-      if (state.requests.size > 250) {
+      if (state.requests.size > 300) {
         const done = [...state.requests.values()].filter((r) => r.state !== "running").sort((a, b) => a.id - b.id);
         for (const r of done.slice(0, state.requests.size - 250)) state.requests.delete(r.id);
       }
-      renderRequests();
+      later(renderRequests); // many requests a second: one table redraw per frame
       break;
     case "reload":
       showReloadOf(d, true);
       break;
-    case "resync":
-      connect(); // a fresh snapshot
+    case "resync": // this tab fell behind and lost events: fetch the state afresh, keep the stream
+      state.resyncs++;
+      resync();
       break;
   }
+}
+
+const pending = new Set();
+function later(render) {
+  if (pending.has(render)) return;
+  pending.add(render);
+  requestAnimationFrame(() => { pending.delete(render); render(); });
+}
+
+async function resync() {
+  const [models, requests] = await Promise.all([api("GET", "/api/models"), api("GET", "/api/requests")]);
+  if (models.ok) state.models = new Map(models.data.models.map((m) => [m.name, m]));
+  if (requests.ok) state.requests = new Map(requests.data.requests.map((r) => [r.id, r]));
+  renderModels(); renderRequests(); renderPickers();
 }
 
 // ---- models ---------------------------------------------------------------------------------
