@@ -11,7 +11,8 @@ is a request that already had its second chance and took a second process down w
 
 A hang (no health answer) costs no retry to a non-streamed request: a request that hangs
 a process would hang the fresh one too, and the clients of the hung process are answered
-as soon as the hang is detected. Pure: no I/O.
+as soon as the hang is detected. A stream that was already receiving tokens when its
+process hung is resumed (the request ran; the device stopped). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
     """
     if second:
         return "again" if external(death) else "blame"
+    if death.cause == "hang" and streaming:
+        return "again"  # tokens were flowing when it hung: the device, not the request
     if not innocent(death):
         return "blame"
-    if death.cause == "hang" and not streaming:
+    if death.cause == "hang":
         return "fail"
     return "again"
