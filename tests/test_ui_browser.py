@@ -188,3 +188,18 @@ async def test_a_tab_that_falls_behind_resyncs_and_shows_every_request(tmp_path:
             await page.wait_for_function("document.querySelectorAll('#requests tbody tr').length === 20")
             assert await page.evaluate("document.querySelector('#conn').textContent") == "live"
             assert await page.evaluate("window.ovrouter.resyncs") >= 1
+
+
+async def test_cancel_a_request_in_flight_from_the_table(tmp_path: Path, browser: object) -> None:
+    models = {"slow": fake_model(fake={"load_s": 0.05, "token_delay_s": 0.5})}
+    async with running_router(write_config(tmp_path, models)) as router:
+        assert (await router.client.post("/api/models/slow/load")).status_code == 200
+        async with _open(browser, router) as page:
+            body = {"model": "slow", "stream": True, "messages": [{"role": "user", "content": "a b c d e f g h i j"}]}
+            streaming = asyncio.create_task(router.client.post("/v1/chat/completions", json=body))
+            await page.click('#requests button[data-testid="cancel"]')
+            await page.wait_for_function("[...document.querySelectorAll('#requests tbody td')]"
+                                         ".some((td) => td.textContent.includes('cancelled'))")
+            reply = await asyncio.wait_for(streaming, 20)
+            assert '"code": "request_cancelled"' in reply.text
+            assert router.backend("slow").in_flight == 0
