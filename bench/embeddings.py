@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -64,19 +65,22 @@ def rate(call: Callable[[list[str]], object], batch: int, window_s: float, windo
     return best
 
 
-def bare_rates(window_s: float, windows: int, batches: tuple[int, ...] = BATCHES) -> dict[int, float]:
+def bare_pipeline() -> Any:
     import openvino_genai as ov_genai
 
     config = ov_genai.TextEmbeddingPipeline.Config()
     config.pooling_type = ov_genai.TextEmbeddingPipeline.PoolingType.MEAN
     config.normalize = True
     config.max_length = 256  # what the model's sentence_bert_config.json declares, as the model server reads it
-    pipe = ov_genai.TextEmbeddingPipeline(str(MODEL_DIR), "CPU", config)
+    return ov_genai.TextEmbeddingPipeline(str(MODEL_DIR), "CPU", config)
+
+
+def bare_rates(pipe: Any, window_s: float, windows: int, batches: tuple[int, ...] = BATCHES) -> dict[int, float]:
     return {batch: rate(pipe.embed_documents, batch, window_s, windows) for batch in batches}
 
 
 async def _clients_window(url: str, clients: int, window_s: float) -> float:
-    """Embeddings/s of ``clients`` closed-loop clients, one text per request, over one window."""
+    """Embeddings/s of ``clients`` closed-loop clients, one text per request, over one window (after a warm-up)."""
     import aiohttp
 
     inputs = texts(clients)
@@ -93,18 +97,39 @@ async def _clients_window(url: str, clients: int, window_s: float) -> float:
                         raise RuntimeError(f"embeddings answered {response.status}")
                 done += 1
 
-        await asyncio.gather(*(client(text, time.perf_counter() + 0.3) for text in inputs))  # warm-up
+        await asyncio.gather(*(client(text, time.perf_counter() + 0.3) for text in inputs))
         done = 0
         started = time.perf_counter()
         await asyncio.gather(*(client(text, started + window_s) for text in inputs))
         return done / (time.perf_counter() - started)
 
 
-def client_rates(url: str, window_s: float, windows: int) -> dict[int, float]:
+def interleaved_client_rates(pipe: Any, urls: dict[str, str], window_s: float,
+                             rounds: int) -> dict[str, dict[int, list[float]]]:
+    """emb/s samples per target and client count; bare and servers take turns window by window (same load)."""
     import uvloop
 
+    samples: dict[str, dict[int, list[float]]] = {name: {n: [] for n in CLIENTS} for name in ["bare", *urls]}
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return {n: max(runner.run(_clients_window(url, n, window_s)) for _ in range(windows)) for n in CLIENTS}
+        for clients in CLIENTS:
+            for _ in range(rounds):
+                samples["bare"][clients].append(rate(pipe.embed_documents, clients, window_s, 1))
+                for name, url in urls.items():
+                    samples[name][clients].append(runner.run(_clients_window(url, clients, window_s)))
+    return samples
+
+
+def start_model_server(procs: Procs, name: str, options: dict[str, Any] | None = None) -> str:
+    from modelserver.spec import SPEC_ENV, build_model_spec
+
+    raw = {"task": "embeddings", "path": str(MODEL_DIR), "options": {**OPTIONS, **(options or {})}}
+    spec = build_model_spec("minilm", raw)
+    port = free_port()
+    proc = procs.spawn(name, [sys.executable, "-m", "modelserver", "--model", "minilm", "--port", str(port)],
+                       env={SPEC_ENV: spec.to_env()})
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, timeout_s=120)
+    return url
 
 
 def http_rates(url: str, model: str, window_s: float, windows: int) -> dict[int, float]:
@@ -117,26 +142,6 @@ def http_rates(url: str, model: str, window_s: float, windows: int) -> dict[int,
             return response
 
         return {batch: rate(call, batch, window_s, windows) for batch in BATCHES}
-
-
-def model_server_rates(procs: Procs, window_s: float, windows: int,
-                       options: dict[str, Any] | None = None) -> tuple[dict[int, float], dict[int, float], Any]:
-    """(emb/s by batch, emb/s by concurrent clients, the server's /health after) of one model server."""
-    from modelserver.spec import SPEC_ENV, build_model_spec
-
-    raw = {"task": "embeddings", "path": str(MODEL_DIR), "options": {**OPTIONS, **(options or {})}}
-    spec = build_model_spec("minilm", raw)
-    port = free_port()
-    proc = procs.spawn("modelserver-minilm", [sys.executable, "-m", "modelserver", "--model", "minilm", "--port",
-                                              str(port)], env={SPEC_ENV: spec.to_env()})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", proc, timeout_s=120)
-        by_batch = http_rates(url, "minilm", window_s, windows)
-        by_clients = client_rates(url, window_s, windows)
-        return by_batch, by_clients, httpx.get(url + "/health").json()
-    finally:
-        procs.stop(proc)
 
 
 def router_rates(procs: Procs, tmp: Path, window_s: float, windows: int) -> dict[int, float]:
@@ -170,16 +175,26 @@ def markdown(spec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def clients_table(bare: dict[int, float], server: dict[int, float], unbatched: dict[int, float] | None,
-                  health: dict[str, Any]) -> dict[str, Any]:
-    headers = ["clients x 1 text", "bare pipeline, batch = clients (emb/s)", "model server (emb/s)", "server / bare",
-               "server, batch_wait_ms 0 (emb/s)"]
-    rows = [[n, round(bare[n], 1), round(server[n], 1), _ratio(server[n], bare[n]),
-             round(unbatched[n], 1) if unbatched else "-"] for n in CLIENTS]
-    caption = (f"closed-loop clients, one text per request; the default server (batch_wait_ms 2) ran "
-               f"{health.get('batches')} batched pipeline calls in all, the largest of {health.get('largest_batch')} "
-               "texts")
+def clients_table(samples: dict[str, dict[int, list[float]]], health: dict[str, Any]) -> dict[str, Any]:
+    headers = ["clients x 1 text", "bare pipeline, batch = clients (emb/s)", "model server (emb/s)",
+               "server / bare (median of rounds)", "server, batch_wait_ms 0 (emb/s)", "no-wait / bare"]
+    rows = []
+    for n in CLIENTS:
+        bare, server, no_wait = samples["bare"][n], samples["server"][n], samples["no-wait"][n]
+        rows.append([n, round(median(bare), 1), round(median(server), 1), round(median_ratio(server, bare), 2),
+                     round(median(no_wait), 1), round(median_ratio(no_wait, bare), 2)])
+    caption = (f"closed-loop clients, one text per request, windows of bare / server / no-wait server taking turns; "
+               f"the default server (batch_wait_ms 2) ran {health.get('batches')} pipeline calls in all, the largest "
+               f"of {health.get('largest_batch')} texts")
     return {"headers": headers, "rows": rows, "caption": caption}
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def median_ratio(values: list[float], bases: list[float]) -> float:
+    return median([value / base for value, base in zip(values, bases, strict=True)])
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -188,24 +203,29 @@ def run(quick: bool = False) -> dict[str, Any]:
     window_s, windows = (0.2, 1) if quick else (2.0, 3)
     notes: list[str] = [f"load average at the section's start: {os.getloadavg()[0]:.2f}"]
     with tempfile.TemporaryDirectory(prefix="bench-embeddings-") as folder, Procs(Path(folder) / "logs") as procs:
-        bare = bare_rates(window_s, windows, tuple(sorted(set(BATCHES) | set(CLIENTS))))
-        server, server_clients, health = model_server_rates(procs, window_s, windows)
-        _, no_wait, _ = model_server_rates(procs, window_s, windows, {"batch_wait_ms": 0})
+        pipe = bare_pipeline()
+        urls = {"server": start_model_server(procs, "minilm"),
+                "no-wait": start_model_server(procs, "minilm-nowait", {"batch_wait_ms": 0})}
+        bare = bare_rates(pipe, window_s, windows)
+        server = http_rates(urls["server"], "minilm", window_s, windows)
+        samples = interleaved_client_rates(pipe, urls, window_s * 0.75, 1 if quick else 3)
+        health = httpx.get(urls["server"] + "/health").json()
+        procs.stop_all()  # the two model servers; the router starts its own
         router: dict[int, float] | None = None
         try:
             router = router_rates(procs, Path(folder), window_s, windows)
         except (SectionSkipped, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
             notes.append(f"router column skipped: {exc}".splitlines()[0])
     result = table(bare, server, router)
-    concurrent = clients_table(bare, server_clients, no_wait, health)
-    value = server_clients[16] / bare[16]
+    concurrent = clients_table(samples, health)
+    value = median_ratio(samples["server"][16], samples["bare"][16])
     notes.append(f"Target 16 clients x 1 text >= {TARGET_16_CLIENTS}x the bare pipeline fed batches of 16: "
                  f"{'met' if value >= TARGET_16_CLIENTS else 'MISSED'} ({value:.2f}x).")
+    notes.append(f"load average at the section's end: {os.getloadavg()[0]:.2f}")
     if quick:
         notes.append("quick mode: one short window per figure; the numbers mean little")
     return {"intro": (__doc__ or "").split("\n\n")[1], "tables": [result, concurrent], "markdown": "",
-            "notes": notes, "raw": {"bare": bare, "model_server": server, "router": router,
-                                    "model_server_clients": server_clients, "no_wait_clients": no_wait}}
+            "notes": notes, "raw": {"bare": bare, "model_server": server, "router": router, "clients": samples}}
 
 
 def main(argv: list[str] | None = None) -> int:
