@@ -23,6 +23,7 @@ as text after all when it does not parse).
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 import uuid
@@ -36,6 +37,7 @@ __all__ = [
     "ToolParserName",
     "ToolStreamSplitter",
     "detect_parser",
+    "mistral_call_ids",
     "parse_tool_calls",
     "plain_history",
     "template_takes_tools",
@@ -345,3 +347,21 @@ def plain_history(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -
 def _hermes_text(function: dict[str, Any]) -> str:
     call = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
     return f"{HERMES_OPEN}\n{call}\n{HERMES_CLOSE}"
+
+
+def _nine(call_id: str) -> str:
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def mistral_call_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every tool call id as Mistral's templates demand it (9 alphanumeric characters;
+    the same id always maps to the same nine, so calls and their results still pair up)."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [{**c, "id": _nine(str(c.get("id", "")))} for c in message["tool_calls"]]
+        if message.get("tool_call_id") is not None:
+            message["tool_call_id"] = _nine(str(message["tool_call_id"]))
+        out.append(message)
+    return out

@@ -9,7 +9,13 @@ import jsonschema
 import pytest
 
 from modelserver.structured import example_of, json_grammar, schema_grammar, strict_tools_grammar, tool_call_grammar
-from modelserver.tools import ToolStreamSplitter, detect_parser, parse_tool_calls, template_takes_tools
+from modelserver.tools import (
+    ToolStreamSplitter,
+    detect_parser,
+    mistral_call_ids,
+    parse_tool_calls,
+    template_takes_tools,
+)
 
 
 def calls_of(parser: str, text: str) -> list[tuple[str, Any]]:
@@ -142,3 +148,15 @@ def test_strict_tools_constrain_auto_calls_only_for_hermes() -> None:
     assert grammar.trigger == "<tool_call>" and grammar.tags[0].begin.startswith(grammar.trigger)
     assert strict_tools_grammar("hermes", [{"name": "f"}], parallel=False) is None  # not strict: free
     assert strict_tools_grammar("llama3_json", strict, parallel=False) is None  # no marker to trigger on
+
+
+def test_mistral_history_gets_nine_character_call_ids_that_still_pair_up() -> None:
+    history = [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_abc", "type": "function",
+                                                            "function": {"name": "f", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "42"},
+    ]
+    fixed = mistral_call_ids(history)
+    call_id = fixed[0]["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and call_id.isalnum() and fixed[1]["tool_call_id"] == call_id
+    assert history[0]["tool_calls"][0]["id"] == "call_abc"  # the caller's messages are left alone

@@ -38,7 +38,7 @@ from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.spec import ModelSpec
 from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer
-from modelserver.tools import detect_parser, plain_history, template_takes_tools
+from modelserver.tools import detect_parser, mistral_call_ids, plain_history, template_takes_tools
 
 __all__ = ["OpenVINOTextGenerator", "Pump", "load"]
 
@@ -311,7 +311,7 @@ class OpenVINOTextGenerator:
     def _tokenize(self, request: GenerationRequest) -> Any:
         if request.messages is None:
             return self._tokenizer.encode(request.prompt or "", add_special_tokens=True).input_ids
-        history, tools = chat_history(request, self._template_tools)
+        history, tools = chat_history(request, self._template_tools, self.tool_parser)
         try:
             if request.continue_final:
                 prompt = continued_prompt(self._tokenizer.apply_chat_template, history, tools)
@@ -327,12 +327,12 @@ class OpenVINOTextGenerator:
         return generation_config(request.sampling, self._defaults, request.constraint)
 
 
-def chat_history(request: Any, template_tools: bool) -> tuple[list[dict[str, Any]], Any]:
+def chat_history(request: Any, template_tools: bool, parser: str = "") -> tuple[list[dict[str, Any]], Any]:
     """The messages (and tools) to render: a template without tool support gets them written out as text."""
     history = [turn.as_template_message() for turn in request.messages or ()]
     tools = list(getattr(request, "tools", ()))
     if template_tools:
-        return history, tools or None
+        return (mistral_call_ids(history) if parser == "mistral" else history), tools or None
     has_tool_turns = any(m["role"] == "tool" or m.get("tool_calls") for m in history)
     if tools or has_tool_turns:
         return plain_history(history, tools), None

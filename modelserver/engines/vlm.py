@@ -107,7 +107,7 @@ class OpenVINOVisionGenerator:
         config = generation_config(request.sampling, self._defaults, getattr(request, "constraint", None))
         prompt: Any = request.prompt if isinstance(request, GenerationRequest) else None
         if prompt is None:
-            history, tools = chat_history(request, self._template_tools)
+            history, tools = chat_history(request, self._template_tools, self.tool_parser)
             prompt = ov_genai.ChatHistory(history)
             if tools:
                 prompt.set_tools(tools)
