@@ -1,7 +1,7 @@
 """The operator's view of a running router: live events, per-model figures, request activity.
 
 One :class:`Console` per :class:`~router.service.RouterService`. It listens to procman
-beside the registry (a :class:`_Tee` of listeners on the ProcessManager), publishes what
+beside the registry (one more listener of the ProcessManager), publishes what
 it hears on its :class:`~router.events.EventBus` (``state``, ``loading``, ``loaded``,
 ``restart``), owns the :class:`~router.activity.Activity` of proxied requests, and computes
 the figures that ``/api/models``, ``/api/events``, ``/ui`` and ``ovrouter status`` show:
@@ -69,11 +69,7 @@ class Console:
         self.activity = Activity(service.metrics, self.bus, self.load_s.get)
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._closing: asyncio.Event | None = None
-        manager = service.registry.manager
-        if hasattr(manager, "add_listener"):  # procman with a list of listeners
-            manager.add_listener(self)
-        else:
-            manager.listener = _Tee(manager.listener, self)
+        service.registry.manager.add_listener(self)
 
     # -- procman listener ------------------------------------------------------------------------
 
@@ -237,32 +233,3 @@ class Console:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
-
-
-class _Tee:
-    """Two procman listeners as one: the registry's (kept first) and the console's."""
-
-    def __init__(self, first: Any, second: Any) -> None:
-        self.listeners = [x for x in (first, second) if x is not None]
-
-    def _call(self, method: str, *args: Any) -> None:
-        for listener in self.listeners:
-            callback = getattr(listener, method, None)
-            if callback is None:
-                continue
-            try:
-                callback(*args)
-            except Exception:
-                log.exception("listener %s.%s failed", type(listener).__name__, method)
-
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        self._call("on_transition", backend, old, new)
-
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self._call("on_start", backend, reason, ok, duration_s)
-
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        self._call("on_restart", backend, reason)
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        self._call("on_stop", backend, reason)
