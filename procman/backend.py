@@ -42,7 +42,7 @@ from procman.runtime import Runtime
 from procman.spec import BackendSpec
 from procman.states import ALLOWED, State
 
-__all__ = ["FAILURE_REASONS", "Backend", "Lease"]
+__all__ = ["FAILURE_REASONS", "Backend", "Death", "Lease"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Backend:
         self.restarts = 0
         self.last_error: str | None = None
         self.exit_code: int | None = None  # of the last process that exited
+        self._deaths: dict[int, Death] = {}  # generation -> how that process failed
         self.logs = LogBuffer(runtime.log_dir / f"{safe_name(spec.name)}.log", runtime.log_lines)
         self._rt = runtime
         self._queue: asyncio.Queue[tuple[m.Event, asyncio.Future[Any] | None]] = asyncio.Queue()
@@ -134,6 +135,18 @@ class Backend:
     def is_idle(self) -> bool:
         """READY with nothing in flight: what idle stop and eviction may stop."""
         return self.state is State.READY and self.counters.in_flight == 0 and not self.counters.draining
+
+    def death(self, generation: int) -> Death | None:
+        """How the process of ``generation`` ended, when it failed (crash, fatal, hang) while READY.
+
+        A process whose exit the owner has not handled yet is classified here, the way it will be.
+        """
+        known = self._deaths.get(generation)
+        running = self._running
+        if known is None and running is not None and generation == self.generation and running.exited.done():
+            exited = self._exited(running, generation)
+            known = Death(exited.cause, running.exit_code, self.counters.in_flight, exited.blamed)
+        return known
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -301,7 +314,7 @@ class Backend:
             return  # the caller went away before its turn
         running = self._running
         if isinstance(event, m.Want) and running is not None and running.exited.done() and self.state is State.READY:
-            self._apply(m.Exited(self.generation), None)  # the death comes first: never admit to a dead process
+            self._apply(self._exited(running, self.generation), None)  # the death first: never admit to a dead one
         if isinstance(event, m.Retune):
             self.spec = self._next_spec
         elif isinstance(event, m.Done):
@@ -319,6 +332,7 @@ class Backend:
         self._rt.changed(self)
 
     def _apply(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        self._note_death(event)
         if isinstance(event, m.Started):
             self._landed(event)
         old = self.state
@@ -336,6 +350,24 @@ class Backend:
             self._start_error = event.payload
             self.started_at = None
             self.exit_code = event.payload.exit_code if isinstance(event.payload, StartFailed) else None
+
+    def _note_death(self, event: m.Event) -> None:
+        """Remember how the READY process ended (what a request it failed is told: ``death(generation)``)."""
+        if self.state is not State.READY:
+            return
+        if isinstance(event, m.Exited) and event.generation == self.generation:
+            code = self._running.exit_code if self._running is not None else None
+            death = Death(event.cause, code, self.counters.in_flight, event.blamed)
+        elif isinstance(event, m.Hung) and event.generation == self.generation:
+            death = Death("hang", None, self.counters.in_flight, self.counters.in_flight == 1)
+        elif isinstance(event, m.Restart) and event.reason in FAILURE_REASONS and event.generation in (
+                None, self.generation):
+            death = Death(event.reason, None, self.counters.in_flight, event.blamed)
+        else:
+            return
+        self._deaths[self.generation] = death
+        for old in [g for g in self._deaths if g < self.generation - DEATHS_KEPT]:
+            del self._deaths[old]
 
     def _set_state(self, new: State) -> None:
         """The one mutator of ``state``: checks ``ALLOWED``, logs ``name old->new pid``, tells the listeners."""
@@ -457,7 +489,7 @@ class Backend:
         if effect.reason == "start":
             self.last_error = str(self._start_error) if self._start_error is not None else "start failed"
             return
-        if effect.reason == "crash" and running is not None:
+        if effect.reason in ("crash", "fatal") and running is not None and running.exited.done():
             tail = self.logs.since(running.log_mark, 5)
             error = f"{self.name} pid={pid} exited unexpectedly with code {running.exit_code}"
             log.warning("%s", error)
@@ -543,7 +575,33 @@ class Backend:
 
     async def _watch_process(self, running: process.Running, generation: int) -> None:
         reason = await process.watch(self._rt, lambda: self.spec, running)
-        self._post(m.Exited(generation) if reason == "crash" else m.Hung(generation))
+        if reason == "crash":
+            self._post(self._exited(running, generation))
+        else:  # a hang with one request in flight: that request most likely hung it
+            self._post(m.Hung(generation, blamed=self.counters.in_flight == 1))
+
+    def _exited(self, running: process.Running, generation: int) -> m.Exited:
+        """The exit of ``running``, classified: ``fatal`` by its last lines, ``blamed`` when one request was in
+        flight and the process ended by itself (not an external signal)."""
+        code = running.exit_code
+        cause = process.exit_cause(code, self.logs.since(running.log_mark, process.CAUSE_LINES),
+                                   self.spec.fatal_patterns)
+        blamed = cause == "crash" and self.counters.in_flight == 1 and not process.external_signal(code)
+        return m.Exited(generation, cause, blamed)
+
+
+class Death(NamedTuple):
+    """How a READY process failed: ``cause`` (crash, fatal, hang), its exit code (negative: the signal; None
+    when the supervisor killed it), the requests in flight then, and whether one alone is to blame."""
+
+    cause: str
+    code: int | None
+    in_flight: int
+    blamed: bool = False
+
+
+#: Deaths remembered per backend (a request asks about its own process, a moment after it died).
+DEATHS_KEPT = 8
 
 
 class NoRoom(Exception):

@@ -48,10 +48,14 @@ class Close:
 
 @dataclass(frozen=True, slots=True)
 class Restart:
-    """Replace the process; with ``generation``, only if that one is still the READY one."""
+    """Replace the process; with ``generation``, only if that one is still the READY one.
+
+    ``blamed``: a request in flight caused the failure (a poison request): no failure is counted.
+    """
 
     reason: str = "manual"
     generation: int | None = None
+    blamed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,16 +79,21 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Exited:
-    """The READY process of ``generation`` exited on its own."""
+    """The READY process of ``generation`` exited on its own: a ``crash``, or ``fatal`` when its last
+    lines name a device failure. ``blamed``: the request it was serving alone is the likely cause."""
 
     generation: int
+    cause: Literal["crash", "fatal"] = "crash"
+    blamed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Hung:
-    """The READY process of ``generation`` failed ``health_failures`` probes in a row."""
+    """The READY process of ``generation`` failed ``health_failures`` probes in a row (``blamed``: with
+    one request in flight, the likely cause)."""
 
     generation: int
+    blamed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

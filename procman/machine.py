@@ -97,6 +97,9 @@ __all__ = [
     "failures_now",
 ]
 
+#: A request that finds its model relaunching after a run-time failure waits for the fresh process
+#: when the relaunch is due within this many seconds (instead of an instant 503).
+WAIT_FOR_RELAUNCH_S = 10.0
 #: Restart reasons that count as a failure of the backend (they feed the backoff).
 FAILURE_REASONS = frozenset({"crash", "hang", "fatal"})
 
@@ -134,6 +137,7 @@ class Counters(NamedTuple):
     abort: str | None = None  # STARTING: the start was interrupted (by: stop, reload, ...)
     swap: bool = False  # a new spec waits for the process to go
     closed: bool = False  # removed or shutting down: no start ever again
+    died: bool = False  # the last failure was a running process's death (a relaunch is worth waiting for)
 
 
 class Decision(NamedTuple):
@@ -186,9 +190,16 @@ def _on_want(state: State, e: Want, c: Counters, p: Policy, now: float) -> Decis
     if state in (S.STARTING, S.STOPPING, S.READY):  # a start under way, or a stop to wait out
         return _same(state, c._replace(wanted=True), Park())
     if state is S.BACKOFF and (remaining := backoff_remaining(c, now)) > 0:
+        if _relaunching(c, p) and remaining <= WAIT_FOR_RELAUNCH_S:  # it died at run time: wait for the fresh one
+            return _same(state, c._replace(wanted=True), Park())
         return _same(state, c, Refuse("backoff", remaining))
     cold = _cold_start(c._replace(wanted=True))
     return Decision(cold.state, cold.counters, (Park(), *cold.effects))
+
+
+def _relaunching(c: Counters, p: Policy) -> bool:
+    """BACKOFF with a relaunch of a process that ran (not a failed cold start) still to come."""
+    return c.auto and c.died and not c.closed and c.failures <= p.restart.max_retries
 
 
 def _on_done(state: State, e: Done, c: Counters, p: Policy, now: float) -> Decision:
@@ -237,7 +248,7 @@ def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) ->
     if e.generation is not None and (e.generation != c.generation or state is not S.READY):
         return _same(state, c)  # that process is gone already: someone else restarted it
     if state is S.READY and e.reason in FAILURE_REASONS:
-        return _fault(c, e.reason, p, now)
+        return _fault(c, e.reason, p, now, e.blamed)
     if state is S.READY:  # READY -> STOPPING, then STOPPING -> STARTING: a replacement, no failure
         c = c._replace(then="start", reason=e.reason, draining=False)
         return Decision(S.STOPPING, c, (Notify("restart", e.reason), Disarm("drain"), Terminate()))
@@ -248,11 +259,12 @@ def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) ->
     return _same(state, c)  # STARTING: the start under way is the answer
 
 
-def _fault(c: Counters, reason: str, p: Policy, now: float) -> Decision:
-    """READY -> STOPPING: a hung or fatally failed process is SIGKILLed at once; BACKOFF follows (a failure)."""
-    failures = failures_now(S.READY, c, p, now) + 1
+def _fault(c: Counters, reason: str, p: Policy, now: float, blamed: bool = False) -> Decision:
+    """READY -> STOPPING: a hung or fatally failed process is SIGKILLed at once; BACKOFF follows (a failure,
+    unless a poison request is to blame: that protects no start, so it is not counted)."""
+    failures = failures_now(S.READY, c, p, now) + (not blamed)
     intent = c.then if c.draining else "fail"
-    c = c._replace(failures=failures, then="fail", reason=reason, ready_at=None, draining=False)
+    c = c._replace(failures=failures, then="fail", reason=reason, ready_at=None, draining=False, died=True)
     effects: tuple[Effect, ...] = (Notify("restart", reason), Blame(reason), Disarm("drain"), Disarm("idle"))
     if intent == "stop":  # a stop was draining: it still ends in STOPPED
         c = c._replace(then="stop")
@@ -260,18 +272,18 @@ def _fault(c: Counters, reason: str, p: Policy, now: float) -> Decision:
 
 
 def _on_hung(state: State, e: Hung, c: Counters, p: Policy, now: float) -> Decision:
-    return _on_restart(state, Restart("hang", e.generation), c, p, now)
+    return _on_restart(state, Restart("hang", e.generation, e.blamed), c, p, now)
 
 
 def _on_exited(state: State, e: Exited, c: Counters, p: Policy, now: float) -> Decision:
     if state is not S.READY or e.generation != c.generation:
         return _same(state, c)
-    # READY -> BACKOFF: the process is gone already, nothing to stop
-    failures = failures_now(state, c, p, now) + 1
+    # READY -> BACKOFF: the process is gone already, nothing to stop; a poison request's doing is no failure
+    failures = failures_now(state, c, p, now) + (not e.blamed)
     pending_stop, stop_reason = c.draining and c.then == "stop", c.reason or "stop"
-    c = c._replace(failures=failures, backoff_until=now + backoff_delay(failures, p.restart), reason="crash",
-                ready_at=None, draining=False, then="stop", auto=not pending_stop)
-    effects = (Notify("restart", "crash"), Blame("crash"), Reap(), Disarm("drain"), Disarm("idle"))
+    c = c._replace(failures=failures, backoff_until=now + backoff_delay(failures, p.restart), reason=e.cause,
+                ready_at=None, draining=False, then="stop", auto=not pending_stop, died=True)
+    effects = (Notify("restart", e.cause), Blame(e.cause), Reap(), Disarm("drain"), Disarm("idle"))
     if pending_stop:
         return Decision(S.BACKOFF, c, (*effects, FollowUp(Stop(stop_reason, drain=False))))
     if c.swap:
@@ -302,7 +314,8 @@ def _on_reaped(state: State, e: Reaped, c: Counters, p: Policy, now: float) -> D
         c = c._replace(backoff_until=now + backoff_delay(c.failures, p.restart), auto=True)
         recover = _recover(c, p)
         park = (FailParked("backoff", retry_after_s=backoff_remaining(c, now)),) if c.wanted and not (
-            recover and isinstance(recover[0], FollowUp)) else ()
+            recover and isinstance(recover[0], FollowUp | Arm)
+            and backoff_remaining(c, now) <= WAIT_FOR_RELAUNCH_S) else ()
         return Decision(S.BACKOFF, c._replace(wanted=c.wanted and not park), (*swap, *park, *recover))
     # STOPPING -> STOPPED
     again: tuple[Effect, ...] = (FollowUp(Want()),) if c.wanted and not c.closed else ()
@@ -340,7 +353,7 @@ def _start_failed(c: Counters, p: Policy, now: float) -> Decision:
     # STARTING -> BACKOFF: a failure; a relaunch nobody waited on retries in the background
     failures = c.failures + 1
     delay = backoff_delay(failures, p.restart)
-    c = c._replace(failures=failures, backoff_until=now + delay, wanted=False)
+    c = c._replace(failures=failures, backoff_until=now + delay, wanted=False, died=False)
     effects: tuple[Effect, ...] = (Notify("start", c.reason, ok=False), Blame("start"),
                                    FailParked("failed", retry_after_s=delay))
     if c.abort is not None:  # a stop or reload came while it failed: carry it out now

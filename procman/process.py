@@ -27,7 +27,9 @@ __all__ = [
     "Aborted",
     "Running",
     "child_command",
+    "EXTERNAL_SIGNALS",
     "exit_cause",
+    "external_signal",
     "kill",
     "kill_now",
     "launch",
@@ -198,6 +200,15 @@ def _quote(message: str, tail: list[str]) -> str:
     if not tail:
         return message + " (it printed nothing)"
     return message + "; last log lines:\n" + "\n".join(tail)
+
+
+#: Signals a process does not raise by failing itself: someone (a user, the OOM killer) killed it.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+def external_signal(code: int | None) -> bool:
+    """Whether exit ``code`` means the process was killed from outside (by a signal it did not raise itself)."""
+    return code is not None and code < 0 and -code in EXTERNAL_SIGNALS
 
 
 def exit_cause(code: int | None, tail: Iterable[str], fatal_patterns: Iterable[str]) -> Literal["fatal", "crash"]:

@@ -326,9 +326,50 @@ def test_stopping_to_backoff_after_a_kill_relaunches() -> None:
     assert state is S.BACKOFF and c.backoff_until == NOW and effects == (FollowUp(RetryDue()),)
 
 
-def test_stopping_to_backoff_tells_parked_callers_to_come_back() -> None:
+def test_stopping_to_backoff_keeps_parked_callers_for_a_relaunch_due_soon() -> None:
     _, c, effects = row(S.STOPPING, Reaped(), C._replace(then="fail", reason="fatal", failures=2, wanted=True))
-    assert effects == (FailParked("backoff", retry_after_s=1.0), Arm("retry", 1.0)) and not c.wanted
+    assert effects == (Arm("retry", 1.0),) and c.wanted  # they get the fresh process a second later
+
+
+def test_stopping_to_backoff_tells_parked_callers_to_come_back_after_a_long_delay() -> None:
+    slow = replace(P, restart=replace(P.restart, backoff_base_s=20.0, backoff_max_s=60.0))
+    _, c, effects = decide(S.STOPPING, Reaped(), C._replace(then="fail", reason="fatal", failures=2, wanted=True),
+                           slow, NOW)
+    assert effects == (FailParked("backoff", retry_after_s=20.0), Arm("retry", 20.0)) and not c.wanted
+
+
+def test_ready_to_backoff_on_a_poison_crash_counts_no_failure_and_relaunches_at_once() -> None:
+    state, c, effects = row(S.READY, Exited(generation=1, blamed=True), C._replace(failures=2, ready_at=NOW - 1))
+    assert state is S.BACKOFF and c.failures == 2 and effects[-1] == Arm("retry", 1.0)  # the delay of 2, not 3
+    state, c, effects = row(S.READY, Exited(generation=1, blamed=True), C._replace(in_flight=1))
+    assert c.failures == 0 and effects[-1] == FollowUp(RetryDue())
+
+
+def test_ready_to_backoff_on_a_fatal_exit_is_reported_as_fatal() -> None:
+    _, c, effects = row(S.READY, Exited(generation=1, cause="fatal"))
+    assert c.reason == "fatal" and Notify("restart", "fatal") in effects and Blame("fatal") in effects
+
+
+def test_ready_to_stopping_on_a_hang_one_request_caused_counts_no_failure() -> None:
+    state, c, effects = row(S.READY, Hung(generation=1, blamed=True), C._replace(in_flight=1))
+    assert state is S.STOPPING and c.failures == 0 and Terminate(graceful=False) in effects
+
+
+def test_want_in_backoff_waits_for_a_relaunch_due_soon() -> None:
+    relaunching = C._replace(auto=True, died=True, failures=2, backoff_until=NOW + 2.0)
+    state, c, effects = row(S.BACKOFF, Want(count=True), relaunching)
+    assert state is S.BACKOFF and effects == (Park(),) and c.wanted
+
+
+def test_want_in_backoff_is_refused_when_the_relaunch_is_far_or_a_cold_start_failed() -> None:
+    far = C._replace(auto=True, died=True, failures=2, backoff_until=NOW + 30.0)
+    assert row(S.BACKOFF, Want(count=True), far)[2] == (Refuse("backoff", 30.0),)
+    cold = C._replace(auto=False, failures=1, backoff_until=NOW + 2.0)
+    assert row(S.BACKOFF, Want(count=True), cold)[2] == (Refuse("backoff", 2.0),)
+    gave_up = C._replace(auto=True, died=True, failures=4, backoff_until=NOW + 2.0)
+    assert row(S.BACKOFF, Want(count=True), gave_up)[2] == (Refuse("backoff", 2.0),)
+    relaunch_failed = C._replace(auto=True, died=False, failures=2, backoff_until=NOW + 2.0)
+    assert row(S.BACKOFF, Want(count=True), relaunch_failed)[2] == (Refuse("backoff", 2.0),)
 
 
 def test_stop_while_stopping_for_a_restart_ends_stopped() -> None:
