@@ -4,7 +4,8 @@ One model server (``python -m modelserver``, SmolLM2-135M GGUF) answers the same
 free, under ``response_format`` ``json_object``, under a ``json_schema`` compiled to the
 server's compact grammar, under the same schema handed to XGrammar's own JSON-schema
 compiler (one keyword the compact grammar does not cover sends it there), and as a forced
-``tool_choice`` (Hermes structural tag). Greedy, streamed; rounds alternate the order of
+``tool_choice`` (Hermes structural tag; ``tool_choice: auto`` with the same tools is its
+unconstrained baseline, as the tools make the prompt longer). Greedy, streamed; rounds alternate the order of
 the modes. The answers differ in length, so the two costs are shown apart: time to the
 first chunk (prompt + the grammar's compile, which XGrammar does per request) and the
 decode rate after it, (usage.completion_tokens - 1) / (time from the first chunk to the
@@ -62,6 +63,7 @@ MODES: dict[str, dict[str, Any]] = {
         "response_format": {"type": "json_schema", "json_schema": {"name": "cats", "schema": {**CATS,
                                                                                                "minProperties": 1}}}
     },
+    "tools offered, tool_choice auto": {"tools": [TOOL], "tool_choice": "auto"},  # the same prompt, unconstrained
     "tool_choice required": {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False},
 }
 
