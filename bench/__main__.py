@@ -39,6 +39,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "coldstart": ("bench.coldstart", "Cold start: request to first token for a stopped model"),
     "recovery": ("bench.recovery", "Recovery from a fatal error and from kill -9"),
     "memory": ("bench.memory", "Memory: router and model servers, and what a stop gives back"),
+    "memory_sched": ("bench.memory_sched", "Memory-aware loading vs max_loaded_models (skewed mix)"),
     "scale": ("bench.scale", "Scale: 100 configured models"),
     "llm_throughput": ("bench.external", "Model server vs bare pipeline (bench/llm_throughput.py)"),
     "embeddings": ("bench.external", "Embeddings and other tasks (bench/embeddings.py)"),

@@ -136,7 +136,7 @@ def _one(ctx: Context, policy: str, plan: list[str]) -> Run:
 
 
 def run(ctx: Context) -> Section:
-    requests = ctx.count(1200, 150)
+    requests = ctx.count(400, 60)
     plan = _mix(list(_models()), requests)
     runs = [_one(ctx, policy, plan) for policy in ("memory", "count")]
     figures = [r.figures() for r in runs]

@@ -378,6 +378,7 @@ class Backend:
         self.state_since = self._rt.clock()
         log.info("%s %s->%s pid=%s", self.name, old.name, new.name, self.pid)
         self._rt.notify("on_transition", self, old, new)
+        self._rt.changed(self)  # the manager's accounting sees every state, even one left within this event
 
     # -- effects -----------------------------------------------------------------------------
 

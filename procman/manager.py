@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 from procman.address import AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
+from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place
 from procman.prober import HttpProber, Prober
-from procman.room import Member, Scope, victims
+from procman.room import Member, Room, Scope, victims
 from procman.runtime import Listener, Runtime, Sleep
 from procman.spawner import Spawner, SubprocessSpawner
 from procman.spec import BackendSpec
@@ -29,6 +31,10 @@ SHUTDOWN_GRACE_S = 10.0
 BUSY_RETRY_AFTER_S = 5.0
 
 Scopes = Callable[[str], Sequence[Scope]]
+Claims = Callable[[str], Claim]
+Budgets = Callable[[], Mapping[str, int]]
+#: Suffix of the key under which a rolling change's new process is counted until it takes the name.
+NEW = " (new)"
 
 
 class ProcessManager:
@@ -39,6 +45,12 @@ class ProcessManager:
     start from no process the backend awaits :meth:`make_room`, which stops idle backends
     (least recently used first) and waits for them to exit. ``before_start`` replaces that
     step (tests); raising BackendUnavailable there refuses the start.
+
+    Memory: ``claims(name)`` says what a backend takes on which device (its size, pinned,
+    ``min_residency_s``) and ``budgets()`` the bytes each device allows; :meth:`make_room`
+    then also fits the device's budget (:func:`procman.placement.place`), starts one backend
+    per budgeted device at a time, and serves waiting starts in arrival order. A rolling
+    change runs a :meth:`successor` beside the current process and :meth:`promote` swaps them.
     """
 
     def __init__(
@@ -53,6 +65,8 @@ class ProcessManager:
         listener: Listener | None = None,
         before_start: Callable[[Backend], Awaitable[None]] | None = None,
         scopes: Scopes | None = None,
+        claims: Claims | None = None,
+        budgets: Budgets | None = None,
         log_lines: int = 1000,
     ) -> None:
         self.runtime_dir = Path(runtime_dir).absolute()
@@ -70,10 +84,14 @@ class ProcessManager:
             log_lines=log_lines,
         )
         self.scopes = scopes
+        self.claims = claims
+        self.budgets = budgets
         self._backends: dict[str, Backend] = {}
         self.backends: Mapping[str, Backend] = MappingProxyType(self._backends)
         self._holding: set[str] = set()  # granted room, process not yet gone
         self._evicting: set[str] = set()
+        self._extra: dict[str, Backend] = {}  # rolling changes: "<name> (new)" and "<name> (old pid N)"
+        self._waiting: list[tuple[str, str | None]] = []  # starts waiting for room, in arrival order: (key, device)
         self._change = asyncio.Event()
         self._room_waiters = 0
 
@@ -124,8 +142,9 @@ class ProcessManager:
 
     async def shutdown(self) -> None:
         """Stop every backend at once (no drain), bounded; whatever outlives the bound is SIGKILLed."""
-        backends = list(self._backends.values())
+        backends = [*self._backends.values(), *self._extra.values()]
         self._backends.clear()
+        self._extra.clear()
         if backends:
             bound = max(b.spec.stop_timeout_s for b in backends) + SHUTDOWN_GRACE_S
             closing = [asyncio.ensure_future(b.close(drain=False)) for b in backends]
@@ -149,61 +168,208 @@ class ProcessManager:
             backend = self._backends.get(name)
             if backend is not None:
                 going = name in self._evicting or backend.state is State.STOPPING
-                members.append(Member(name, backend.is_idle(), backend.last_used or 0.0, going))
+                pinned = self._claim(name).pinned
+                members.append(Member(name, backend.is_idle(), backend.last_used or 0.0, going, pinned))
         return members
 
-    async def make_room(self, name: str, scopes: Sequence[Scope], timeout_s: float = 180.0) -> None:
-        """Stop least-recently-used idle backends until ``name`` fits every scope, then hold its room.
+    def holders(self) -> list[Holder]:
+        """What holds memory on each device: loaded backends, and both processes of a rolling change."""
+        holders = [self._holder(name, backend, name in self._evicting) for name, backend in self._held()]
+        holders += [self._holder(key, backend, not key.endswith(NEW)) for key, backend in self._extra.items()]
+        return holders
 
-        Waits (bounded by ``timeout_s``) for victims to exit and for busy backends to become
-        idle, woken by every change of any backend, never by a timer; raises
-        BackendUnavailable when busy backends leave no room in time.
+    def _held(self) -> Iterator[tuple[str, Backend]]:
+        for name in self._holding:
+            backend = self._backends.get(name)
+            if backend is not None:
+                yield name, backend
+
+    def _holder(self, key: str, backend: Backend, leaving: bool) -> Holder:
+        claim = self._claim(backend.name)
+        ready_at = backend.counters.ready_at
+        return Holder(
+            key, claim.device, claim.size_bytes, idle=backend.is_idle(), last_used=backend.last_used or 0.0,
+            pinned=claim.pinned, evictable_at=(ready_at or 0.0) + claim.min_residency_s,
+            starting=backend.state is State.STARTING, going=leaving or backend.state is State.STOPPING,
+        )
+
+    def _claim(self, name: str) -> Claim:
+        return self.claims(name) if self.claims is not None else NO_CLAIM
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Per budgeted device: its budget and the bytes its holders count (loaded, starting, stopping)."""
+        budgets = self.budgets() if self.budgets is not None else {}
+        used = dict.fromkeys(budgets, 0)
+        for holder in self.holders():
+            if holder.device in used:
+                used[holder.device] += holder.size_bytes
+        return {device: {"budget_bytes": budgets[device], "used_bytes": used[device]} for device in budgets}
+
+    def place(self, key: str, name: str | None = None) -> Placement:
+        """Where a start of ``name`` (counted as ``key``) stands against its device's budget now."""
+        name = name or key
+        claim = self._claim(name)
+        budgets = self.budgets() if self.budgets is not None else {}
+        holders = self.holders()
+        if key != name:  # a successor never makes room by stopping the process it replaces
+            holders = [dataclasses.replace(h, pinned=True) if h.name == name else h for h in holders]
+        ahead = self._ahead(key, claim.device)
+        return place(key, claim.device, claim.size_bytes, holders, budgets, self._runtime.clock(), queued_ahead=ahead)
+
+    def _ahead(self, key: str, device: str | None) -> bool:
+        for other, other_device in self._waiting:
+            if other == key:
+                return False
+            if other_device == device:
+                return True
+        return False
+
+    async def make_room(self, name: str, scopes: Sequence[Scope], timeout_s: float = 180.0, *,
+                        key: str | None = None) -> None:
+        """Stop least-recently-used idle backends until ``name`` fits every scope and its device's budget.
+
+        Waits (bounded by ``timeout_s``) for victims to exit, for busy backends to become
+        idle, for a start on the same device to finish and for earlier waiters, woken by
+        every change of any backend (and, for a backend younger than its ``min_residency_s``,
+        at the moment it may be stopped), never by a polling timer. Raises
+        BackendUnavailable when it can never fit or the room does not come in time.
+        ``key`` names a rolling change's new process (it is not ``name`` in the counts).
         """
+        key = key or name
         deadline = self._runtime.clock() + timeout_s
-        while True:
-            room = victims(name, self.loaded(), scopes)
-            if room.fits:
-                self._holding.add(name)
-                return
-            for victim in room.stop:
-                self._evict(victim, name)
-            remaining = deadline - self._runtime.clock()
-            if remaining <= 0:
-                scope = room.busy or next(s for s in scopes if s.limit > 0)
-                busy = ", ".join(sorted(m.name for m in self.loaded() if m.name in scope.members))
-                limit = f"{scope.label} allows {scope.limit} loaded model(s)"
-                raise BackendUnavailable(
-                    f"cannot start {name}: {limit} and all are busy ({busy})",
-                    retry_after_s=BUSY_RETRY_AFTER_S,
-                )
-            change = asyncio.ensure_future(self._change.wait())
-            self._room_waiters += 1
-            try:
-                await self._runtime.wait_done(change, remaining)
-            finally:
-                self._room_waiters -= 1
-                change.cancel()
+        self._waiting.append((key, self._claim(name).device))
+        try:
+            while True:
+                room = victims(name, self.loaded(), scopes) if key == name else Room((), True)
+                spot = self.place(key, name)
+                if spot.never is not None:
+                    log.warning("%s", spot.never)
+                    raise BackendUnavailable(spot.never)
+                for victim in room.stop:
+                    self._evict(victim, name, "max_loaded")
+                for victim in spot.stop:
+                    self._evict(victim, name, "memory")
+                if room.fits and spot.fits:
+                    if key == name:
+                        self._holding.add(name)
+                    return
+                now = self._runtime.clock()
+                if deadline - now <= 0:
+                    raise self._no_room(name, scopes, room, spot)
+                wake = deadline - now if spot.retry_at is None else min(deadline, spot.retry_at) - now
+                await self._wait_change(max(wake, 0.0))
+        finally:
+            self._waiting = [w for w in self._waiting if w[0] != key]
+            self._signal()
 
-    def _evict(self, victim: str, target: str) -> None:
+    async def _wait_change(self, timeout_s: float) -> None:
+        change = asyncio.ensure_future(self._change.wait())
+        self._room_waiters += 1
+        try:
+            await self._runtime.wait_done(change, timeout_s)
+        finally:
+            self._room_waiters -= 1
+            change.cancel()
+
+    def _no_room(self, name: str, scopes: Sequence[Scope], room: Room, spot: Placement) -> BackendUnavailable:
+        if not room.fits:
+            scope = room.busy or next(s for s in scopes if s.limit > 0)
+            busy = ", ".join(sorted(m.name for m in self.loaded() if m.name in scope.members))
+            limit = f"{scope.label} allows {scope.limit} loaded model(s)"
+            return BackendUnavailable(f"cannot start {name}: {limit} and all are busy ({busy})",
+                                      retry_after_s=BUSY_RETRY_AFTER_S)
+        claim = self._claim(name)
+        device = claim.device or "?"
+        figures = self.memory().get(device, {"budget_bytes": 0, "used_bytes": 0})
+        held = ", ".join(sorted(f"{h.name} ({format_bytes(h.size_bytes)}{'' if h.idle else ', busy'})"
+                                for h in self.holders() if h.device == device and h.name != name))
+        return BackendUnavailable(
+            f"cannot start {name} ({format_bytes(claim.size_bytes)}): memory_budget {device} "
+            f"{format_bytes(figures['budget_bytes'])} is held by {held or 'nothing'} ({spot.wait})",
+            retry_after_s=BUSY_RETRY_AFTER_S,
+        )
+
+    # -- rolling changes --------------------------------------------------------------------------
+
+    def can_roll(self, name: str, scopes: Sequence[Scope]) -> bool:
+        """Whether a second process of ``name`` fits beside the first now, without stopping anything."""
+        members = self.loaded()
+        for scope in scopes:
+            if scope.limit > 0 and name in scope.members and len([m for m in members if m.name in scope.members]) \
+                    + 1 > scope.limit:
+                return False
+        return self.place(name + NEW, name).fits
+
+    def successor(self, name: str, spec: BackendSpec) -> Backend:
+        """A new backend for ``name`` running ``spec`` beside the current one; routed to once :meth:`promote`d."""
+        current = self._backends[name]
+        backend = Backend(spec, self._runtime)
+        backend.logs = current.logs  # one log per model, whichever process writes it
+        backend.counters = backend.counters._replace(generation=current.generation)  # generations stay unique
+        self._extra[name + NEW] = backend
+        return backend
+
+    async def drop_successor(self, name: str) -> None:
+        """A successor that failed to start: stop and forget it; the current backend keeps serving."""
+        backend = self._extra.pop(name + NEW, None)
+        if backend is not None:
+            await backend.close(drain=False)
+        self._signal()
+
+    def promote(self, name: str, restart_reason: str | None = None) -> Backend:
+        """The successor takes ``name``; the old backend is returned (for the caller to drain and close).
+
+        The old process's memory counts until it has exited. ``restart_reason``: tell the
+        listeners the model was restarted (``on_restart``), as a stop-first restart would.
+        """
+        new = self._extra.pop(name + NEW)
+        old = self._backends[name]
+        self._backends[name] = new
+        self._extra[f"{name} (old pid {old.pid})"] = old
+        self._holding.add(name)
+        if restart_reason is not None:
+            new.restarts = old.restarts + 1
+            self._runtime.notify("on_restart", new, restart_reason)
+        self._signal()
+        return old
+
+    def _backend_key(self, backend: Backend) -> str | None:
+        """The key a backend's room is counted under: its name, an extra's key, or None (not counted)."""
+        if self._backends.get(backend.name) is backend:
+            return backend.name
+        return next((key for key, extra in self._extra.items() if extra is backend), None)
+
+    def _evict(self, victim: str, target: str, reason: str) -> None:
         backend = self._backends.get(victim)
         if backend is None or victim in self._evicting:
             return
-        log.info("evicting %s (least recently used) to start %s", victim, target)
+        claim = self._claim(victim)
+        log.info("evicting %s (%s, least recently used idle, %s on %s) to start %s", victim, reason,
+                 format_bytes(claim.size_bytes), claim.device, target)
         self._evicting.add(victim)
+        self._runtime.notify("on_evict", backend, target, reason)
         task = asyncio.ensure_future(backend.stop("evict"))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _reserve(self, backend: Backend) -> None:
+        key = self._backend_key(backend) or backend.name
         scopes = self.scopes(backend.name) if self.scopes is not None else ()
-        await self.make_room(backend.name, scopes, backend.spec.startup_timeout_s)
+        await self.make_room(backend.name, scopes, backend.spec.startup_timeout_s, key=key)
 
     def _changed(self, backend: Backend) -> None:
         state = backend.state
-        if state is State.STOPPED or state is State.BACKOFF:
-            self._holding.discard(backend.name)
-            self._evicting.discard(backend.name)
-        elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
-            self._holding.add(backend.name)
+        if self._backends.get(backend.name) is backend:
+            if state is State.STOPPED or state is State.BACKOFF:
+                self._holding.discard(backend.name)
+                self._evicting.discard(backend.name)
+            elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
+                self._holding.add(backend.name)
+        elif self._extra and (state is State.STOPPED or state is State.BACKOFF):  # a rolling change's old process
+            for key in [k for k, extra in self._extra.items() if extra is backend and not k.endswith(NEW)]:
+                del self._extra[key]
+        self._signal()
+
+    def _signal(self) -> None:
         if self._room_waiters:
             self._change.set()
             self._change = asyncio.Event()  # the next waiters wait for the next change

@@ -32,6 +32,7 @@ class Member:
     idle: bool  # READY with nothing in flight: may be stopped to make room
     last_used: float  # for least-recently-used order
     going: bool = False  # a stop was asked for; its memory is free once it exited
+    pinned: bool = False  # never stopped to make room (``pin: true``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ def victims(target: str, loaded: Sequence[Member], scopes: Sequence[Scope]) -> R
         fits = False
         staying = [b for b in members if not b.going and b.name not in stop]
         need = len(staying) + 1 - scope.limit
-        idle = sorted((b for b in staying if b.idle), key=lambda b: b.last_used)[: max(need, 0)]
+        idle = sorted((b for b in staying if b.idle and not b.pinned), key=lambda b: b.last_used)[: max(need, 0)]
         stop.extend(b.name for b in idle)
         if need > len(idle) and busy is None:
             busy = scope

@@ -74,6 +74,8 @@ class Console:
     # -- procman listener ------------------------------------------------------------------------
 
     def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        if not self.service.registry.is_current(backend):
+            return  # the other process of a rolling change: its own `rolling` events tell
         self._publish_state(backend, old)
         if new is State.STARTING and backend.name not in self._loading:
             self._loading[backend.name] = asyncio.ensure_future(self._loading_ticks(backend))
@@ -97,6 +99,8 @@ class Console:
         self.bus.publish("restart", {"model": backend.name, "reason": reason})
 
     def on_stop(self, backend: Backend, reason: str) -> None:
+        if not self.service.registry.is_current(backend):
+            return
         self.last_reason[backend.name] = f"stop:{reason}"
         self._publish_state(backend, None)
 

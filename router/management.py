@@ -62,7 +62,7 @@ def management_routes(service: RouterService) -> list[Route]:
 
     async def restart(request: Request) -> Response:
         model = _model(service, request)
-        await model.backend.restart("manual")
+        await service.registry.residency.restart(model)  # rolling where memory allows
         return JSONResponse(_row(service, model.spec.name))
 
     async def logs(request: Request) -> Response:

@@ -39,6 +39,14 @@ class Metrics:
             "ovrouter_model_restarts", "relaunches after a failure", ["model", "reason"], registry=r
         )
         self.stops = Counter("ovrouter_model_stops", "deliberate stops", ["model", "reason"], registry=r)
+        self.evictions = Counter("ovrouter_evictions", "models stopped to make room for another, by reason "
+                                 "(memory: a device's memory_budget; max_loaded: a count)", ["reason"], registry=r)
+        self.memory_budget = Gauge("ovrouter_memory_budget_bytes", "memory_budget of the device", ["device"],
+                                   registry=r)
+        self.memory_used = Gauge("ovrouter_memory_used_bytes", "what the models loaded, starting or stopping on the "
+                                 "device count (measured peaks, else estimates)", ["device"], registry=r)
+        self.model_memory = Gauge("ovrouter_model_memory_bytes", "what the model counts on its device's budget",
+                                  ["model"], registry=r)
         self.requests = Counter(
             "ovrouter_requests", "proxied requests by final status", ["model", "status"], registry=r
         )

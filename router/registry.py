@@ -20,6 +20,7 @@ from router.launch import backend_spec
 from router.limits import Limiter
 from router.metrics import Metrics
 from router.reload import ConfigDiff, diff
+from router.residency import Residency
 
 __all__ = ["Model", "Registry"]
 
@@ -44,7 +45,11 @@ class Registry:
             manager = ProcessManager(Path(config.router.state_dir), port_range=config.router.port_range)
         self.manager = manager
         manager.add_listener(self)
-        manager.scopes = self._scopes
+        manager.scopes = self.scopes
+        self.residency = Residency(self)  # memory budgets, measured sizes, evictions, rolling changes
+        manager.add_listener(self.residency)
+        manager.claims = self.residency.claim
+        manager.budgets = self.residency.budgets
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
         self.max_body_bytes = 1 << 20
@@ -63,11 +68,21 @@ class Registry:
     def _add(self, spec: ModelSpec) -> Model:
         backend = self.manager.add(backend_spec(spec, self.config.router, self.config.path))
         model = self.models[spec.name] = Model(spec, backend, Limiter(spec.name, spec.max_concurrency, spec.max_queue))
-        self.metrics.in_flight.labels(spec.name).set_function(lambda: backend.in_flight)
+        self.bind(model, backend)
         self.metrics.queued.labels(spec.name).set_function(lambda: model.limiter.queued)
         self.metrics.loaded.labels(spec.name).set(0)
         self._reindex()
         return model
+
+    def bind(self, model: Model, backend: Backend) -> None:
+        """Route ``model`` to ``backend`` (a rolling change swaps in the new process's backend)."""
+        model.backend = backend
+        self.metrics.in_flight.labels(model.spec.name).set_function(lambda: backend.in_flight)
+
+    def is_current(self, backend: Backend) -> bool:
+        """Whether ``backend`` is the one its model routes to (not a rolling change's other process)."""
+        model = self.models.get(backend.name)
+        return model is not None and model.backend is backend
 
     def _reindex(self) -> None:
         """Lookups the hot path makes, rebuilt whenever the set of models or their specs change."""
@@ -97,6 +112,7 @@ class Registry:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.residency.stop()
         await self.manager.shutdown()
 
     # -- reload -------------------------------------------------------------------------------
@@ -109,6 +125,7 @@ class Registry:
         for name in changes.removed:
             self.models.pop(name)
             self.metrics.forget(name)
+            self.residency.forget(name)
             self._spawn(self.manager.remove(name), f"remove {name}")
         for name in changes.changed:
             self._change(self.models[name], new.models[name])
@@ -128,13 +145,14 @@ class Registry:
             return  # router settings only: applied above
         if new_backend_spec.process_view == model.backend.spec.process_view:
             log.info("%s: supervisor settings changed; applied to the running process", spec.name)
+            self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
         else:
-            log.info("%s changed: restarting after its in-flight requests finish", spec.name)
-        self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
+            log.info("%s changed: restarting (rolling where memory allows, else after its requests finish)", spec.name)
+            self._spawn(self.residency.change(model, new_backend_spec), f"update {spec.name}")
 
     # -- room: which limits a model's start must fit (procman's make_room carries them out) ---------
 
-    def _scopes(self, name: str) -> list[Scope]:
+    def scopes(self, name: str) -> list[Scope]:
         model = self.models.get(name)
         if model is None or model.spec.url is not None:  # a remote backend holds no memory here
             return []
@@ -152,7 +170,7 @@ class Registry:
     # -- procman Listener ------------------------------------------------------------------------
 
     def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        if backend.name not in self.models:
+        if not self.is_current(backend):
             return
         self.metrics.loaded.labels(backend.name).set(1 if new in LOADED else 0)
         for state in State:
@@ -167,5 +185,5 @@ class Registry:
         self.metrics.restarts.labels(backend.name, reason).inc()
 
     def on_stop(self, backend: Backend, reason: str) -> None:
-        if backend.name in self.models:
+        if self.is_current(backend):
             self.metrics.stops.labels(backend.name, reason).inc()

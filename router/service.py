@@ -58,6 +58,7 @@ class RouterService:
         self.registry = Registry(config, self.metrics, manager)
         self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.events)
         self.console = Console(self)
+        self.registry.residency.publish = self.events.publish  # evict and rolling events
         self.pool: Upstream = upstream or UpstreamPool()
         self.started_at = time.time()
         self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}
@@ -70,6 +71,7 @@ class RouterService:
         return self.registry.config
 
     async def start(self) -> None:
+        self.registry.residency.start()
         self.registry.start_preloads()
         path = self.config.path
         if path is not None and self.config.router.watch:
@@ -137,6 +139,7 @@ class RouterService:
                 kind=_kind(model.spec), device=model.spec.device, aliases=list(model.spec.aliases),
                 group=model.spec.group, queued=model.limiter.queued,
             )
+            row.update(self.registry.residency.row(name))
             rows.append(row)
         return rows
 

@@ -91,3 +91,12 @@ def test_never_is_reported_before_any_wait() -> None:
 
 def test_format_bytes() -> None:
     assert [format_bytes(x) for x in (512, 2048, 300 * M, 1536 * M)] == ["512 B", "2 KiB", "300 MiB", "1.5 GiB"]
+
+
+def test_counts_never_stop_a_pinned_model() -> None:
+    from procman.room import Member, Room, Scope, victims
+
+    scope = Scope("all models", 2, frozenset("abc"))
+    pinned = Member("a", idle=True, last_used=0.0, pinned=True)
+    assert victims("c", [pinned, Member("b", idle=True, last_used=5.0)], [scope]) == Room(("b",), False)
+    assert victims("c", [pinned, Member("b", idle=False, last_used=5.0)], [scope]) == Room((), False, scope)

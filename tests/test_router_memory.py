@@ -1,0 +1,205 @@
+"""Memory budgets and rolling changes over real fake-engine processes (``fake.memory_mb`` sizes them).
+
+Each eviction is checked when it happens (a procman listener): the victim is idle, the least
+recently used of the idle models old enough to go, and loaded at least ``min_residency_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from procman import Backend, State
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+from tests.test_router_proxy import alive, chat, wait_for
+from tests.test_router_reload import rewrite
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1024 * 1024
+
+
+def sized(memory_mb: int, **extra: Any) -> dict[str, Any]:
+    fake = {"load_s": 0.05, "token_delay_s": 0.002, "memory_mb": memory_mb, **extra.pop("fake", {})}
+    return fake_model(fake=fake, **extra)
+
+
+class EvictionCheck:
+    """A procman listener that checks every eviction against the policy at the moment it happens."""
+
+    def __init__(self, router: RunningRouter) -> None:
+        self.router = router
+        self.evicted: list[str] = []
+        self.problems: list[str] = []
+
+    def on_evict(self, backend: Backend, target: str, reason: str) -> None:
+        manager = self.router.service.registry.manager
+        now = manager._runtime.clock()
+        claim = manager.claims(backend.name) if manager.claims else None
+        self.evicted.append(backend.name)
+        if not backend.is_idle():
+            self.problems.append(f"{backend.name} was evicted while busy")
+        ready_at = backend.counters.ready_at or 0.0
+        if claim is not None and now - ready_at < claim.min_residency_s:
+            self.problems.append(f"{backend.name} was evicted {now - ready_at:.2f}s after it loaded")
+        others = [b for b in manager.backends.values()
+                  if b is not backend and b.is_idle() and b.name != target
+                  and now - (b.counters.ready_at or 0.0) >= (manager.claims(b.name).min_residency_s if manager.claims
+                                                               else 0)]
+        older = [b.name for b in others if (b.last_used or 0.0) < (backend.last_used or 0.0)]
+        if older:
+            self.problems.append(f"{backend.name} was evicted before the less recently used {older}")
+
+
+async def ask(router: RunningRouter, name: str, text: str = "hello there") -> int:
+    return (await router.client.post("/v1/chat/completions", json=chat(name, text))).status_code
+
+
+def loaded(router: RunningRouter) -> set[str]:
+    return {n for n, m in router.service.registry.models.items() if m.backend.state is State.READY}
+
+
+async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_path: Path) -> None:
+    models = {name: sized(300) for name in "abcd"}
+    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults={"min_residency_s": 0})
+    async with running_router(path) as router:
+        check = EvictionCheck(router)
+        router.service.registry.manager.add_listener(check)
+        for name in "abc":
+            assert await ask(router, name) == 200
+        assert await ask(router, "a") == 200  # b is now the least recently used
+        assert await ask(router, "d") == 200
+        assert check.evicted == ["b"] and loaded(router) == {"a", "c", "d"}
+        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "b")
+        assert row["last_eviction"]["reason"] == "memory" and row["last_eviction"]["for"] == "d"
+        assert row["memory"]["bytes"] == 300 * MIB and row["memory"]["budget_bytes"] == 1024 * MIB
+
+        # concurrent clients over all four: every request answered, every eviction by the policy
+        names = itertools.cycle("abcdbdacdcba")
+        statuses = await asyncio.gather(*(ask(router, next(names), f"request {i}") for i in range(48)))
+        assert set(statuses) == {200}, statuses
+        assert not check.problems, check.problems
+        assert len(loaded(router)) <= 3
+        metrics = (await router.client.get("/metrics")).text
+        assert 'ovrouter_evictions_total{reason="memory"}' in metrics
+        assert 'ovrouter_memory_budget_bytes{device="CPU"} 1.073741824e+09' in metrics
+
+
+async def test_min_residency_makes_a_start_wait_instead_of_thrashing(tmp_path: Path) -> None:
+    models = {name: sized(300) for name in "abcd"}
+    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults={"min_residency_s": 1.5})
+    async with running_router(path) as router:
+        check = EvictionCheck(router)
+        router.service.registry.manager.add_listener(check)
+        for name in "abc":
+            assert await ask(router, name) == 200
+        # d must wait for one of a, b, c to have been loaded 1.5 s: it waits, it does not fail
+        assert await asyncio.gather(*(ask(router, "d", f"d {i}") for i in range(3))) == [200, 200, 200]
+        assert check.evicted == ["a"] and not check.problems, check.problems
+
+
+async def test_a_model_that_can_never_fit_gets_a_503_naming_the_budget_and_sizes(tmp_path: Path) -> None:
+    models = {"big": sized(800), "pinned": sized(300, pin=True)}
+    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}})
+    async with running_router(path) as router:
+        assert await ask(router, "pinned") == 200
+        reply = await router.client.post("/v1/chat/completions", json=chat("big"))
+        assert reply.status_code == 503
+        message = reply.json()["error"]["message"]
+        assert "big needs 800 MiB" in message and "pinned pinned (300 MiB)" in message, message
+        assert "memory_budget CPU: 1 GiB" in message, message
+        assert router.backend("pinned").state is State.READY
+
+
+async def test_sizes_are_measured_and_remembered_under_state_dir(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(123)}, router={"memory_budget": "auto"})
+    async with running_router(path) as router:
+        assert await ask(router, "m") == 200
+        store = router.service.registry.residency.store
+        await wait_for(lambda: "m" in store.models, 15, "a measurement of m")
+        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "m")
+        assert row["memory"]["source"] == "measured" and row["memory"]["bytes"] == 123 * MIB
+        assert row["memory"]["reported"]["fake"] is True
+    saved = json.loads((tmp_path / "state" / "memory.json").read_text())
+    assert saved["models"]["m"]["peak_bytes"] == 123 * MIB
+
+
+async def steady_load(router: RunningRouter, name: str, stop: asyncio.Event, statuses: list[int]) -> None:
+    async def client(index: int) -> None:
+        for count in itertools.count():
+            if stop.is_set():
+                return
+            statuses.append(await ask(router, name, f"client {index} request {count}"))
+
+    await asyncio.gather(*(client(i) for i in range(4)))
+
+
+async def change_under_load(router: RunningRouter, name: str, change: Any) -> tuple[int, int, list[int]]:
+    """Run a steady load on ``name``, apply ``change``, wait for a new pid; (old pid, new pid, statuses)."""
+    assert await ask(router, name) == 200
+    old = router.backend(name).pid
+    stop, statuses = asyncio.Event(), []
+    load = asyncio.create_task(steady_load(router, name, stop, statuses))
+    await wait_for(lambda: len(statuses) >= 10, 15, "the steady load to run")
+    await change()
+    await wait_for(lambda: router.backend(name).pid not in (None, old), 30, "a new process")
+    served = len(statuses)
+    await wait_for(lambda: len(statuses) >= served + 10, 15, "requests on the new process")
+    stop.set()
+    await load
+    return old, router.backend(name).pid, statuses
+
+
+async def test_a_rolling_reload_under_load_fails_no_request(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(300)}, router={"memory_budget": {"CPU": "1GiB"}})
+    async with running_router(path) as router:
+        async def reload() -> None:
+            rewrite(path, lambda d: d["models"]["m"]["fake"].update(token_delay_s=0.001))
+            assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["m"]
+
+        old, new, statuses = await change_under_load(router, "m", reload)
+        assert set(statuses) == {200} and new != old
+        await wait_for(lambda: not alive(old), 15, "the old process to exit")
+
+
+async def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(300)})
+    async with running_router(path) as router:
+        async def restart() -> None:
+            assert (await router.client.post("/api/models/m/restart")).status_code == 200
+
+        old, new, statuses = await change_under_load(router, "m", restart)
+        assert set(statuses) == {200} and new != old
+        await wait_for(lambda: not alive(old), 15, "the old process to exit")
+
+
+async def test_too_small_a_budget_for_both_is_stop_first_and_clients_wait(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(600)}, router={"memory_budget": {"CPU": "1GiB"}})
+    async with running_router(path) as router:
+        async def reload() -> None:
+            rewrite(path, lambda d: d["models"]["m"]["fake"].update(token_delay_s=0.001))
+            await router.client.post("/api/reload")
+
+        old, new, statuses = await change_under_load(router, "m", reload)
+        assert set(statuses) == {200} and new != old
+        assert not alive(old), "stop-first: the old process is gone before the new one serves"
+
+
+async def test_a_failed_new_process_leaves_the_old_one_serving(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(100)})
+    async with running_router(path) as router:
+        assert await ask(router, "m") == 200
+        old = router.backend("m").pid
+        rewrite(path, lambda d: d["models"]["m"]["fake"].update(fail_load="the new weights are corrupt"))
+        await router.client.post("/api/reload")
+        residency = router.service.registry.residency
+        await wait_for(lambda: "m" in residency.rolling_errors, 20, "the failed rolling change")
+        assert "the new weights are corrupt" in residency.rolling_errors["m"]
+        assert await ask(router, "m") == 200 and router.backend("m").pid == old
+        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "m")
+        assert "old one keeps serving" in row["rolling_error"]
