@@ -21,6 +21,10 @@ Kinds the router publishes (``data`` always holds ``model`` where one model is m
     loading   a model's start in progress: model, elapsed_s, estimate_s (published every second)
     loaded    a start ended: model, ok, duration_s, reason
     restart   a running model is being replaced: model, reason
+    evict     a model was stopped to make room: model, reason (memory, max_loaded), for, device, size_bytes,
+              budget_bytes, at
+    rolling   a rolling change: model, phase (starting, switched, failed), reason (reload, manual), old_pid, pid,
+              error
     request   a proxied request finished: the recent-requests row (see router.activity)
     reload    a config reload: ok, errors, diff
     resync    (per subscriber) events were dropped; reload the snapshot
