@@ -30,7 +30,6 @@ __all__ = [
     "TagSpec",
     "ToolGrammar",
     "choice_grammar",
-    "example_of",
     "json_grammar",
     "ov_structured_output",
     "schema_grammar",
@@ -409,52 +408,3 @@ def ov_structured_output(constraint: Constraint) -> Any:
                                      stop_after_first=not constraint.parallel)
         return so(structural_tags_config=triggered)
     return so(structural_tags_config=tags[0] if len(tags) == 1 else so.Union(tags))
-
-
-# -- examples (the fake engine's answers) -----------------------------------------------------
-
-
-def example_of(schema: Any, root: Any = None) -> Any:
-    """A small value valid for ``schema`` (first enum value, minimum, every listed property...)."""
-    root = schema if root is None else root
-    if not isinstance(schema, dict) or not schema:
-        return "fake"
-    if "$ref" in schema:
-        ref = str(schema["$ref"])
-        for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
-            if ref.startswith(prefix):
-                return example_of((root.get(key) or {}).get(ref[len(prefix) :], {}), root)
-        return example_of(root, root) if ref == "#" else "fake"
-    if "enum" in schema and schema["enum"]:
-        return schema["enum"][0]
-    if "const" in schema:
-        return schema["const"]
-    for key in ("anyOf", "oneOf", "allOf"):
-        if schema.get(key):
-            return example_of(schema[key][0], root)
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    return _EXAMPLES.get(kind or ("object" if "properties" in schema else ""), lambda s, r: "fake")(schema, root)
-
-
-def _example_string(schema: dict[str, Any], root: Any) -> str:
-    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    text = "fake".ljust(low, "e")
-    return text[: int(high)] if high is not None else text
-
-
-def _example_array(schema: dict[str, Any], root: Any) -> list[Any]:
-    count = int(schema.get("minItems", 1 if schema.get("maxItems", 1) else 0))
-    return [example_of(schema.get("items", {}), root) for _ in range(count)]
-
-
-_EXAMPLES: dict[str, Any] = {
-    "object": lambda s, r: {k: example_of(v, r) for k, v in (s.get("properties") or {}).items()},
-    "array": _example_array,
-    "string": _example_string,
-    "integer": lambda s, r: int(s.get("minimum", 1)),
-    "number": lambda s, r: float(s.get("minimum", 1.5)),
-    "boolean": lambda s, r: True,
-    "null": lambda s, r: None,
-}

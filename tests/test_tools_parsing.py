@@ -8,7 +8,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from modelserver.structured import example_of, json_grammar, schema_grammar, strict_tools_grammar, tool_call_grammar
+from modelserver.engines.fake import example_of
+from modelserver.structured import json_grammar, schema_grammar, strict_tools_grammar, tool_call_grammar
 from modelserver.tools import (
     ToolStreamSplitter,
     detect_parser,

@@ -30,8 +30,8 @@ Tools and structured output (what router and client tests build on):
 - a forced ``tool_choice`` (``required`` or a named function) answers one call of the
   named (or first) function; so does ``tool_choice: auto`` when the last message is a user
   message containing ``[[tool]]``. The arguments are built from the function's JSON
-  schema (:func:`modelserver.structured.example_of`: each listed property, the first enum
-  value, the minimum, ``"fake"`` for strings); the text is the model's ``tool_parser``
+  schema (:func:`example_of`: each listed property, the first enum value, the minimum,
+  ``"fake"`` for strings); the text is the model's ``tool_parser``
   form (Hermes by default), which the server parses like a real model's;
 - when the last message is a tool result (and no call is forced) the answer echoes it:
   ``tool result: <content>``;
@@ -60,13 +60,14 @@ import numpy as np
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
-from modelserver.structured import Grammar, TagSpec, ToolGrammar, example_of, tool_call_grammar
+from modelserver.structured import Grammar, TagSpec, ToolGrammar, tool_call_grammar
 
 __all__ = [
     "ABORT_EXIT_CODE",
     "CRASH_EXIT_CODE",
     "FakeEmbedder",
     "FakeTextGenerator",
+    "example_of",
     "load_embedder",
     "load_text_generator",
 ]
@@ -203,6 +204,52 @@ def _continue(words: list[str], request: GenerationRequest) -> list[str]:
         return words
     done = turns[-1].content.split()
     return words[len(done):] if words[: len(done)] == done else words
+
+
+def example_of(schema: Any, root: Any = None) -> Any:
+    """A small value valid for ``schema`` (first enum value, minimum, every listed property...)."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or not schema:
+        return "fake"
+    if "$ref" in schema:
+        ref = str(schema["$ref"])
+        for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
+            if ref.startswith(prefix):
+                return example_of((root.get(key) or {}).get(ref[len(prefix) :], {}), root)
+        return example_of(root, root) if ref == "#" else "fake"
+    if "enum" in schema and schema["enum"]:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if schema.get(key):
+            return example_of(schema[key][0], root)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    return _EXAMPLES.get(kind or ("object" if "properties" in schema else ""), lambda s, r: "fake")(schema, root)
+
+
+def _example_string(schema: dict[str, Any], root: Any) -> str:
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    text = "fake".ljust(low, "e")
+    return text[: int(high)] if high is not None else text
+
+
+def _example_array(schema: dict[str, Any], root: Any) -> list[Any]:
+    count = int(schema.get("minItems", 1 if schema.get("maxItems", 1) else 0))
+    return [example_of(schema.get("items", {}), root) for _ in range(count)]
+
+
+_EXAMPLES: dict[str, Any] = {
+    "object": lambda s, r: {k: example_of(v, r) for k, v in (s.get("properties") or {}).items()},
+    "array": _example_array,
+    "string": _example_string,
+    "integer": lambda s, r: int(s.get("minimum", 1)),
+    "number": lambda s, r: float(s.get("minimum", 1.5)),
+    "boolean": lambda s, r: True,
+    "null": lambda s, r: None,
+}
 
 
 def _pieces(text: str) -> list[str]:
