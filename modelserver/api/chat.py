@@ -57,7 +57,7 @@ from modelserver.protocol import (
 from modelserver.textstream import StopMatcher
 from modelserver.tools import ToolCall, ToolStreamSplitter, parse_tool_calls
 
-__all__ = ["Run", "chat_plan", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
+__all__ = ["Run", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
 
 Shape = ChatShape | TextShape
 Body = ChatCompletionRequest | CompletionRequest

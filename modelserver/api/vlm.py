@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from modelserver.api import chat
 from modelserver.api.common import engine_as, note, read_body, spec
+from modelserver.api.toolplan import chat_plan
 from modelserver.engines.base import ChatTurn, TextGenerator
 from modelserver.engines.media_base import IMAGE_TAG, VisionRequest, image_tag
 from modelserver.errors import RequestError, UnsupportedParameter
@@ -78,7 +79,7 @@ async def vlm_chat_completions(request: Request) -> Response:
     body.refuse_unsupported(spec(request).max_n)
     if body.logprobs:
         raise UnsupportedParameter("logprobs: the vlm engine does not report logprobs", param="logprobs")
-    tools, constraint, parse = chat.chat_plan(body, engine_as(request, TextGenerator).tool_parser)
+    tools, constraint, parse = chat_plan(body, engine_as(request, TextGenerator).tool_parser)
     turns, images = await asyncio.to_thread(vision_turns, body.messages)
     note(request, images=len(images))
     sampling = chat.sampling(body, spec(request).default_max_tokens)
