@@ -141,7 +141,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
     except UpstreamTimeout:
         if spec.stall_timeout_s >= spec.stream_idle_timeout_s:
             return await _end_stream(job, f"model {job.name!r} sent nothing for stream_idle_timeout_s="
-                                     f"{spec.stream_idle_timeout_s:g}s", "backend_timeout")
+                                     f"{spec.stream_idle_timeout_s:g}s", "backend_error")
         log.warning("%s: a stream got no token for stall_timeout_s=%gs; killing the process as hung",
                     job.name, spec.stall_timeout_s)
         return await _died(job, lease, "stall", f"no token for {spec.stall_timeout_s:g}s")
@@ -188,8 +188,8 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     if restart is not None:
         _background(restart)
     if choice == "blame":
-        log.warning("%s: request is the likely cause of its process's %s (%s); not sent again", job.name,
-                    death.cause, detail)
+        log.warning("%s: the request is the likely cause of its process's death (%s: %s); not sent again",
+                    job.name, death.cause, detail)
         return await _fail(job, RequestCrashedModel(_blame_message(job, death)))
     if death.cause == "fatal":
         return await _fail(job, ServiceUnavailable(

@@ -22,15 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 WORDS = " ".join(f"w{i}" for i in range(24))
 
 
-@pytest.fixture(autouse=True)
-def _recovery_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    import router.app
-    import router.recovery
-
-    if router.app.forward is not router.recovery.forward:  # until router.proxy delegates to it
-        monkeypatch.setattr(router.app, "forward", router.recovery.forward)
-
-
 def chat(text: str, **extra: Any) -> dict[str, Any]:
     return {"model": "echo", "messages": [{"role": "user", "content": text}], **extra}
 
@@ -184,3 +175,26 @@ async def test_a_hung_model_with_a_stream_in_flight_never_blocks_an_unload_or_th
         assert len(done) == 3, "something waited behind the drain of a hung process"
         assert (await unload).status_code == 200 and (await nxt).status_code == 200
         assert_whole_answer("\n\n".join(lines) + "\n\n")  # the stream was resumed on a fresh process
+
+
+async def test_an_innocent_request_during_a_relaunch_waits_for_it_instead_of_a_503(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path, backoff_base_s=1.5)) as router:
+        for _ in range(2):  # two crashes in a row: the second relaunch waits out a 1.5 s backoff
+            assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
+            pid = router.backend("echo").pid
+            os.kill(pid, signal.SIGKILL)
+            await wait_for(lambda pid=pid: router.backend("echo").pid != pid)
+        await wait_for(lambda: router.backend("echo").state.value == "backoff")
+        innocent = await router.client.post("/v1/chat/completions", json=chat("innocent"))
+        assert innocent.status_code == 200, innocent.text
+
+
+async def test_a_process_that_exits_with_a_fatal_line_counts_as_a_fatal_restart(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        aborted = await router.client.post("/v1/chat/completions", json=chat("[[abort]]"))
+        assert aborted.status_code == 502 and aborted.json()["error"]["code"] == "request_crashed_model"
+        await wait_for(lambda: router.backend("echo").state.value == "ready")
+        metrics = (await router.client.get("/metrics")).text
+        # a device failure is retried once; the second exit names the request
+        assert 'ovrouter_model_restarts_total{model="echo",reason="fatal"} 2.0' in metrics
+        assert "GPU plugin can't finish correctly" in (router.backend("echo").last_error or "")

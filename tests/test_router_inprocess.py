@@ -5,12 +5,13 @@ model-server processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from pathlib import Path
 
 import pytest
 
-import router.proxy
+import router.recovery
 from procman import State
 from router.httpclient import UpstreamError, UpstreamTimeout
 from tests.router_fakes import Call, FakeReply, chat, echo, fake_router
@@ -61,30 +62,28 @@ async def test_fatal_non_streamed_request_is_retried_once_on_a_fresh_process(tmp
         assert r.backend("echo").restarts == 1 and r.harness.recorder.restarts == [("echo", "fatal")]
 
 
-async def test_fatal_that_follows_the_retry_is_a_503(tmp_path: Path) -> None:
+async def test_fatal_that_follows_the_retry_names_the_request(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r:
         async def always_fatal(call: Call) -> FakeReply:
             return fatal_reply()
 
         r.upstream.handler = always_fatal
         reply = await r.post("/v1/chat/completions", chat("echo"))
-        assert reply.status == 503 and "CL_OUT_OF_RESOURCES" in reply.json()["error"]["message"]
+        assert reply.status == 502 and reply.json()["error"]["code"] == "request_crashed_model"
         assert len(r.upstream.calls) == 2  # one retry, never a second
 
 
-async def test_streamed_fatal_is_503_with_retry_after_and_not_retried(tmp_path: Path) -> None:
+async def test_streamed_fatal_before_the_stream_starts_is_retried_once(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r:
-        async def fatal(call: Call) -> FakeReply:
-            return fatal_reply()
+        async def first_fatal(call: Call) -> FakeReply:
+            if len(r.upstream.calls) == 1:
+                return fatal_reply()
+            return FakeReply(chunks=[b"data: {}\n\n", b"data: [DONE]\n\n"], content_type=b"text/event-stream")
 
-        r.upstream.handler = fatal
+        r.upstream.handler = first_fatal
         reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
-        assert reply.status == 503 and reply.headers["retry-after"]
-        assert "unrecoverable" in reply.json()["error"]["message"]
-        assert len(r.upstream.calls) == 1
-        r.upstream.handler = echo
-        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
-        assert len(r.harness.spawner.procs) == 2  # the background restart replaced it
+        assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
+        assert len(r.upstream.calls) == 2 and len(r.harness.spawner.procs) == 2  # on the fresh process
 
 
 async def test_retry_on_fatal_false_answers_503_and_restarts_in_the_background(tmp_path: Path) -> None:
@@ -99,52 +98,101 @@ async def test_retry_on_fatal_false_answers_503_and_restarts_in_the_background(t
         assert ok.status == 200 and ok.json()["pid"] == last.pid != first.pid
 
 
-async def test_crash_mid_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
+async def test_a_process_killed_under_a_request_is_retried_once_on_a_fresh_process(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r:
-        async def first_crashes(call: Call) -> FakeReply:
+        async def first_killed(call: Call) -> FakeReply:
             if len(r.upstream.calls) == 1:
                 assert call.proc is not None
-                call.proc.exit(139)
+                call.proc.exit(-signal.SIGKILL)  # kill -9 from outside: not the request's doing
                 raise UpstreamError("backend closed the connection")
             return await echo(call)
 
-        r.upstream.handler = first_crashes
+        r.upstream.handler = first_killed
         reply = await r.post("/v1/chat/completions", chat("echo"))
         assert reply.status == 200 and reply.json()["pid"] == r.harness.spawner.procs[1].pid
         assert r.harness.recorder.restarts == [("echo", "crash")]
 
 
-async def test_a_request_that_crashes_the_fresh_process_too_is_a_502_never_a_hang(tmp_path: Path) -> None:
+async def test_a_lone_request_whose_process_crashes_by_itself_is_named_and_not_retried(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model(backoff_base_s=0)}) as r:
-        async def always_crashes(call: Call) -> FakeReply:
+        async def crashes(call: Call) -> FakeReply:
             assert call.proc is not None
             call.proc.exit(139)
             raise UpstreamError("backend closed the connection")
 
-        r.upstream.handler = always_crashes
+        r.upstream.handler = crashes
         reply = await r.post("/v1/chat/completions", chat("echo", "[[crash]]"))
+        assert reply.status == 502 and reply.json()["error"]["code"] == "request_crashed_model"
+        assert len(r.upstream.calls) == 1  # a poison request is never sent again
+        r.upstream.handler = echo
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
+        assert r.backend("echo").failures == 0  # the request's doing: no failure counted toward backoff
+
+
+async def test_a_request_killed_twice_from_outside_is_a_502_never_a_hang(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(backoff_base_s=0)}) as r:
+        async def always_killed(call: Call) -> FakeReply:
+            assert call.proc is not None
+            call.proc.exit(-signal.SIGKILL)
+            raise UpstreamError("backend closed the connection")
+
+        r.upstream.handler = always_killed
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
         assert reply.status == 502 and "died" in reply.json()["error"]["message"]
+        assert reply.json()["error"]["code"] == "backend_error"
         assert len(r.upstream.calls) == 2  # retried once, never twice
         r.upstream.handler = echo
         assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
-        assert r.backend("echo").starts >= 3  # first start, relaunch after crash 1, after crash 2
 
 
-async def test_crash_of_a_streamed_request_is_a_clean_502(tmp_path: Path) -> None:
+def sse(*texts: str, role: bool = False, id_: str = "first") -> list[bytes]:
+    """Chat chunks of one stream (``id_`` and ``created`` shared, as a model server sends them)."""
+    envelope = '{"id":"%s","created":%d,"model":"echo","choices":[{"index":0,"delta":%s}]}'
+    created = 1 if id_ == "first" else 2
+    deltas = (['{"role":"assistant"}'] if role else []) + [json.dumps({"content": t}) for t in texts]
+    return [b"data: " + (envelope % (id_, created, delta)).encode() + b"\n\n" for delta in deltas]
+
+
+async def test_a_stream_cut_by_a_death_is_resumed_with_the_text_so_far(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r:
-        async def crash(call: Call) -> FakeReply:
-            assert call.proc is not None
-            call.proc.exit(139)
-            raise UpstreamError("backend closed the connection")
+        async def dies_mid_stream(call: Call) -> FakeReply:
+            if len(r.upstream.calls) == 1:
+                assert call.proc is not None
+                proc = call.proc
+                boom = UpstreamError("backend closed the connection")
+                proc.exit(-signal.SIGKILL)
+                return FakeReply(chunks=[*sse("one", " two", role=True), boom], content_type=b"text/event-stream")
+            return FakeReply(chunks=[*sse(" three", role=True, id_="second"), b"data: [DONE]\n\n"],
+                             content_type=b"text/event-stream")
 
-        r.upstream.handler = crash
+        r.upstream.handler = dies_mid_stream
+        reply = await r.post("/v1/chat/completions", chat("echo", stream=True, max_tokens=10))
+        assert reply.status == 200 and reply.body.count(b"[DONE]") == 1 and b'"error"' not in reply.body
+        assert reply.body.count(b'"role"') == 1 and b"second" not in reply.body  # the first stream's id, created
+        assert b'"created":2' not in reply.body and reply.body.count(b'"id":"first"') == 4
+        second = json.loads(r.upstream.calls[1].body)
+        assert second["continue_final_message"] is True and second["max_tokens"] == 8
+        assert second["messages"][-1] == {"role": "assistant", "content": "one two"}
+
+
+async def test_a_stalled_stream_kills_its_process_as_hung_and_resumes(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(stall_timeout_s=0.05)}) as r:
+        async def stalls_once(call: Call) -> FakeReply:
+            if len(r.upstream.calls) == 1:
+                return FakeReply(chunks=[*sse("one", role=True), asyncio.Event()], content_type=b"text/event-stream")
+            return FakeReply(chunks=[*sse(" two", id_="second"), b"data: [DONE]\n\n"],
+                             content_type=b"text/event-stream")
+
+        r.upstream.handler = stalls_once
         reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
-        assert reply.status == 502 and "died" in reply.json()["error"]["message"]
-        assert len(r.upstream.calls) == 1
+        assert reply.status == 200 and reply.body.count(b"[DONE]") == 1 and b'"error"' not in reply.body
+        first = r.harness.spawner.procs[0]
+        assert not first.alive and first.signals[0] == signal.SIGKILL
+        assert r.harness.recorder.restarts == [("echo", "hang")]
 
 
 async def test_unreachable_live_backend_is_502_not_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.proxy, "DEATH_GRACE_S", 0.01)
+    monkeypatch.setattr(router.recovery, "DEATH_GRACE_S", 0.01)
     async with fake_router(tmp_path, {"echo": model()}) as r:
         async def refuse(call: Call) -> FakeReply:
             raise UpstreamError("cannot connect to the backend: connection refused")

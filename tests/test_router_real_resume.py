@@ -16,15 +16,6 @@ from tests.router_helpers import running_router, write_config
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(autouse=True)
-def _recovery_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    import router.app
-    import router.recovery
-
-    if router.app.forward is not router.recovery.forward:  # until router.proxy delegates to it
-        monkeypatch.setattr(router.app, "forward", router.recovery.forward)
-
-
 async def test_a_real_stream_survives_a_kill_of_its_backend(tmp_path: Path, demo_gguf: Path) -> None:
     model = {"task": "llm", "engine": "openvino", "path": str(demo_gguf), "save_ov_model": True,
              "startup_timeout_s": 300}
