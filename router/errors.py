@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from starlette.responses import Response
 
@@ -35,6 +36,7 @@ __all__ = [
     "ServiceUnavailable",
     "TooManyRequests",
     "Unauthorized",
+    "client_line",
     "error_body",
     "error_response",
     "unavailable",
@@ -112,8 +114,30 @@ BACKOFF_RETRY_AFTER_S = 5.0
 
 
 def unavailable(model: str, exc: BackendUnavailable, what: str = "is unavailable") -> ServiceUnavailable:
-    """The one mapping of procman's "no process to talk to" to HTTP: 503, with Retry-After when known."""
+    """The one mapping of procman's "no process to talk to" to HTTP: 503, with Retry-After when known.
+
+    The message is one line (:func:`client_line`): log tails, pids and socket paths stay in
+    ``/api/models`` and the model's log, which the message names.
+    """
     retry = exc.retry_after_s
     if retry is None and isinstance(exc, InBackoff):
         retry = BACKOFF_RETRY_AFTER_S
-    return ServiceUnavailable(f"model {model!r} {what}: {exc.reason}", retry_after_s=retry)
+    reason = client_line(exc.reason, getattr(exc, "log_tail", None))
+    return ServiceUnavailable(f"model {model!r} {what}: {reason} (log: GET /api/models/{model}/logs)",
+                              retry_after_s=retry)
+
+
+_PID = re.compile(r"\s*\bpid=\d+")
+_SOCKET = re.compile(r"(?:unix:)?/\S*\.sock\b")
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d[ T][\d:,.]+\s+(?:[A-Z]+\s+)?[\w.]+:\s*")
+
+
+def client_line(reason: str, log_tail: list[str] | None = None) -> str:
+    """``reason`` as one line a client may see: no log tail, pid or socket path; a start failure gains the
+    line of its log that says why (``failed to load …``, else the last one)."""
+    line = (reason or "unknown reason").split("; last log lines", 1)[0].splitlines()[0]
+    if log_tail:
+        why = next((entry for entry in reversed(log_tail) if "failed to load" in entry), log_tail[-1])
+        line += ": " + _LOG_PREFIX.sub("", why.strip())[:300]
+    line = _SOCKET.sub("<socket>", _PID.sub("", line))
+    return line + ")" * max(0, line.count("(") - line.count(")"))

@@ -198,3 +198,16 @@ async def test_a_process_that_exits_with_a_fatal_line_counts_as_a_fatal_restart(
         # a device failure is retried once; the second exit names the request
         assert 'ovrouter_model_restarts_total{model="echo",reason="fatal"} 2.0' in metrics
         assert "GPU plugin can't finish correctly" in (router.backend("echo").last_error or "")
+
+
+async def test_a_model_that_cannot_start_gets_one_safe_line_and_retry_after(tmp_path: Path) -> None:
+    broken = fake_model(fake={"load_s": 0.01, "fail_load": "weights are corrupt"}, backoff_base_s=30)
+    async with running_router(write_config(tmp_path, {"echo": broken})) as router:
+        for attempt in range(2):
+            reply = await router.client.post("/v1/chat/completions", json=chat("hi"))
+            message = reply.json()["error"]["message"]
+            assert reply.status_code == 503 and "\n" not in message and "pid=" not in message, message
+            assert ".sock" not in message and "/api/models/echo/logs" in message
+            assert attempt == 1 or "weights are corrupt" in message
+        assert int(reply.headers["retry-after"]) >= 1
+        assert "last log lines" in (router.backend("echo").last_error or "")  # the tail stays in /api/models
