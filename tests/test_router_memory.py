@@ -88,6 +88,8 @@ async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_p
         metrics = (await router.client.get("/metrics")).text
         assert 'ovrouter_evictions_total{reason="memory"}' in metrics
         assert 'ovrouter_memory_budget_bytes{device="CPU"} 1.073741824e+09' in metrics
+        memory = (await router.client.get("/api/status")).json()["memory"]["CPU"]
+        assert memory["budget_bytes"] == 1024 * MIB and memory["used_bytes"] <= 1024 * MIB
 
 
 async def test_min_residency_makes_a_start_wait_instead_of_thrashing(tmp_path: Path) -> None:
