@@ -9,17 +9,28 @@ naming it ("a driver reload or reboot may be required"), shown in ``/api/status`
 someone fixes it and calls ``POST /api/devices/{device}/reset``. Processes already running
 on it keep running (a model that still works is not taken away).
 
-Pure bookkeeping with an injected clock: no I/O, no procman.
+:class:`DeviceHealth` is pure bookkeeping with an injected clock; :class:`DeviceGuard` ties
+it to the registry: a procman listener that records fatal restarts, and a ``before_start``
+hook in front of procman's own that refuses a start on an unhealthy device.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DEFAULT_WINDOW_S", "DeviceHealth", "Unhealthy"]
+from procman import BackendUnavailable
+
+if TYPE_CHECKING:
+    from procman import Backend
+    from router.registry import Registry
+
+__all__ = ["DEFAULT_WINDOW_S", "DeviceGuard", "DeviceHealth", "Unhealthy"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 600.0
 
@@ -98,3 +109,41 @@ class DeviceHealth:
             recent = [name for at, name in self._faults.get(key, []) if now - at <= self.window_s]
             rows.append({"device": device, "healthy": True, "recent_fatal_models": recent})
         return rows
+
+
+class DeviceGuard:
+    """Device health wired into the registry's process manager (see the module's docstring)."""
+
+    def __init__(self, registry: Registry, threshold: int) -> None:
+        self.registry = registry
+        self.health = DeviceHealth(threshold=threshold)
+        manager = registry.manager
+        self._start_hook: Callable[[Backend], Awaitable[None]] | None = manager.before_start
+        manager.before_start = self.before_start
+        manager.add_listener(self)
+
+    def _device(self, name: str) -> str | None:
+        model = self.registry.models.get(name)
+        if model is None or model.spec.url is not None or model.spec.command is not None:
+            return None  # only the model servers this router runs on a device count
+        return model.spec.device
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        device = self._device(backend.name)
+        if reason != "fatal" or device is None:
+            return
+        mark = self.health.record_fatal(device, backend.name, backend.last_error or "")
+        if mark is not None:
+            log.error("%s", mark.message())
+
+    async def before_start(self, backend: Backend) -> None:
+        device = self._device(backend.name)
+        mark = self.health.unhealthy(device) if device is not None else None
+        if mark is not None:
+            raise BackendUnavailable(mark.message())
+        if self._start_hook is not None:
+            await self._start_hook(backend)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        devices = sorted({d for name in self.registry.models if (d := self._device(name)) is not None})
+        return self.health.snapshot(devices)

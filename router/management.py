@@ -83,7 +83,13 @@ def management_routes(service: RouterService) -> list[Route]:
             "last_reload": service.last_reload,
             "models": {row["name"]: str(row["state"]).lower() for row in service.models_table()},
             "memory": service.registry.manager.memory(),  # per budgeted device: budget_bytes, used_bytes
+            "devices": service.devices.snapshot(),
         })
+
+    async def reset_device(request: Request) -> Response:
+        device = request.path_params["device"]
+        was_unhealthy = service.devices.health.reset(device)
+        return JSONResponse({"device": device, "was_unhealthy": was_unhealthy, "healthy": True})
 
     async def reload(request: Request) -> Response:
         result = await service.reload("api")
@@ -97,6 +103,7 @@ def management_routes(service: RouterService) -> list[Route]:
         ("/api/models/{name}/logs", logs, "GET"),
         ("/api/status", status, "GET"),
         ("/api/reload", reload, "POST"),
+        ("/api/devices/{device}/reset", reset_device, "POST"),
     ]
     return [Route(path, _admin(service, handler), methods=[method]) for path, handler, method in plain]
 

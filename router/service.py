@@ -13,6 +13,7 @@ from typing import Any
 from procman import ProcessManager
 from router.config import Config, ConfigError, load_config
 from router.console import Console
+from router.devices import DeviceGuard
 from router.errors import Unauthorized
 from router.events import EventBus
 from router.metrics import Metrics
@@ -56,6 +57,7 @@ class RouterService:
     ) -> None:
         self.metrics = metrics or Metrics()
         self.registry = Registry(config, self.metrics, manager)
+        self.devices = DeviceGuard(self.registry, config.router.device_failure_threshold)  # unhealthy devices
         self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.events)
         self.console = Console(self)
         self.registry.residency.publish = self.events.publish  # evict and rolling events
@@ -107,6 +109,7 @@ class RouterService:
             except ConfigError as exc:
                 return self._reload_failed(source, exc)
             changes = await self.registry.apply(self._keep_restart_only(new))
+            self.devices.health.threshold = new.router.device_failure_threshold
             self.metrics.config_valid.set(1)
             self.metrics.reloads.labels("ok").inc()
             summary = {"added": list(changes.added), "changed": list(changes.changed), "removed": list(changes.removed)}

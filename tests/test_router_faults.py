@@ -211,3 +211,23 @@ async def test_a_model_that_cannot_start_gets_one_safe_line_and_retry_after(tmp_
             assert attempt == 1 or "weights are corrupt" in message
         assert int(reply.headers["retry-after"]) >= 1
         assert "last log lines" in (router.backend("echo").last_error or "")  # the tail stays in /api/models
+
+
+async def test_fatal_errors_in_three_models_on_one_device_mark_it_unhealthy_until_reset(tmp_path: Path) -> None:
+    on_gpu = {name: fake_model(device="GPU.7", retry_on_fatal=False) for name in ("a", "b", "c", "d")}
+    async with running_router(write_config(tmp_path, {**on_gpu, "cpu": fake_model()})) as router:
+        for name in ("a", "b", "c"):
+            fatal = await router.client.post("/v1/chat/completions", json={**chat("[[fatal]]"), "model": name})
+            assert fatal.status_code == 503
+        await wait_for(lambda: router.service.devices.health.unhealthy("GPU.7") is not None)
+        refused = await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "d"})
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == 503 and "GPU.7" in message and "driver reload or reboot" in message
+        on_cpu = await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "cpu"})
+        assert on_cpu.status_code == 200  # other devices are not affected
+        status = (await router.client.get("/api/status")).json()
+        gpu = next(row for row in status["devices"] if row["device"] == "GPU.7")
+        assert gpu["healthy"] is False and sorted(gpu["models"]) == ["a", "b", "c"]
+        reset = await router.client.post("/api/devices/GPU.7/reset")
+        assert reset.status_code == 200 and reset.json()["was_unhealthy"] is True
+        assert (await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "d"})).status_code == 200
