@@ -125,10 +125,13 @@ def run(ctx: Context) -> Section:
                 samples[mode].append(_ask(client, extra, max_tokens))
                 log.info("%s: %d tokens, first chunk %.3f s, then %.2f s", mode, *samples[mode][-1][:3])
     ctx.procs.stop(proc)
-    rates = {mode: median([(t - 1) / d for t, _, d, _ in samples[mode] if t > 1 and d > 0]) for mode in MODES}
+    each = {mode: [(t - 1) / d for t, _, d, _ in samples[mode] if t > 1 and d > 0] for mode in MODES}
+    rates = {mode: median(values) for mode, values in each.items()}
+    best = {mode: max(values, default=float("nan")) for mode, values in each.items()}
     rows = [
         [mode, median([float(s[0]) for s in samples[mode]]), median([s[1] * 1000 for s in samples[mode]]),
-         rates[mode], ratio(rates[mode], rates["free text"]), ", ".join(sorted({s[3] for s in samples[mode]}))]
+         rates[mode], ratio(rates[mode], rates["free text"]), best[mode], ratio(best[mode], best["free text"]),
+         ", ".join(sorted({s[3] for s in samples[mode]}))]
         for mode in MODES
     ]
     section.intro = (
@@ -136,7 +139,9 @@ def run(ctx: Context) -> Section:
         f"{rounds} alternating round(s); medians. Prompt: {json.dumps(PROMPT)}."
     )
     section.tables.append(Table(
-        ["mode", "tokens", "first chunk ms (prompt + compile)", "decode tokens/s", "decode x free text", "finish"], rows
+        ["mode", "tokens", "first chunk ms (prompt + compile)", "decode tokens/s", "x free text",
+         "best decode tokens/s", "best x free text", "finish"], rows,
+        "best = the fastest round: on a busy machine the least disturbed figure, closest to the constraint's own cost",
     ))
     section.data = {"decode_tokens_per_s": rates, "samples": samples}
     return section
