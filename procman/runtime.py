@@ -31,7 +31,9 @@ Sleep = Callable[[float], Awaitable[Any]]
 class Listener(Protocol):
     """Observer of backends (metrics, the event bus, logging). Every method is optional; errors are logged.
 
-    ``backend.snapshot()["reason"]`` names why the last start, stop or restart happened.
+    ``backend.snapshot()["reason"]`` names why the last start, stop or restart happened. A
+    listener may also have ``on_evict(backend, target, reason)``: the manager stopped
+    ``backend`` to make room for ``target`` (reason ``memory`` or ``max_loaded``).
     """
 
     def on_transition(self, backend: Backend, old: State, new: State) -> None: ...

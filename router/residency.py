@@ -116,6 +116,15 @@ class Residency:
             self.watch.wake()  # measure a fresh process at once
         self.update_gauges()
 
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        pass
+
+    def on_restart(self, backend: Backend, reason: str) -> None:
+        pass
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        pass
+
     def update_gauges(self) -> None:
         metrics = self.registry.metrics
         for device, figures in self.registry.manager.memory().items():
