@@ -17,18 +17,15 @@ process hung is resumed (the request ran; the device stopped). Pure: no I/O.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["EXTERNAL_SIGNALS", "Death", "Verdict", "external", "innocent", "verdict"]
+from procman.process import EXTERNAL_SIGNALS
+
+__all__ = ["EXTERNAL_SIGNALS", "Cause", "Death", "Verdict", "external", "innocent", "verdict"]
 
 Cause = Literal["crash", "fatal", "hang", "stall"]
 Verdict = Literal["again", "fail", "blame"]
-
-#: Signals a process does not send itself by failing: someone (a user, the OOM killer) killed it.
-EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
-
 
 @dataclass(frozen=True, slots=True)
 class Death:

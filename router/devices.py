@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from procman import BackendUnavailable
 
 if TYPE_CHECKING:
-    from procman import Backend
+    from procman import Backend, State
     from router.registry import Registry
 
 __all__ = ["DEFAULT_WINDOW_S", "DeviceGuard", "DeviceHealth", "Unhealthy"]
@@ -127,6 +127,15 @@ class DeviceGuard:
         if model is None or model.spec.url is not None or model.spec.command is not None:
             return None  # only the model servers this router runs on a device count
         return model.spec.device
+
+    def on_transition(self, backend: Backend, old: State, new: State) -> None:
+        pass
+
+    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
+        pass
+
+    def on_stop(self, backend: Backend, reason: str) -> None:
+        pass
 
     def on_restart(self, backend: Backend, reason: str) -> None:
         device = self._device(backend.name)

@@ -21,12 +21,12 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from starlette.types import Send
 
 from procman import BackendUnavailable, Lease
-from router.blame import Death, verdict
+from router.blame import Cause, Death, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
@@ -200,10 +200,9 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
 
 def _death_of(model: Model, lease: Lease, in_flight: int) -> Death:
     """How the process behind ``lease`` ended, as the backend saw it (or as the lease tells)."""
-    told = getattr(model.backend, "death", None)
-    known = told(lease.generation) if callable(told) else None
+    known = model.backend.death(lease.generation)
     if known is not None:
-        return Death(known.cause, known.code, known.in_flight)  # type: ignore[arg-type]
+        return Death(cast(Cause, known.cause), known.code, known.in_flight)
     code = None
     if lease.exited.done() and not lease.exited.cancelled() and lease.exited.exception() is None:
         code = int(lease.exited.result())
