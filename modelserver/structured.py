@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,6 +27,8 @@ __all__ = [
     "Constraint",
     "Grammar",
     "GrammarError",
+    "check_regex",
+    "check_schema",
     "regex_grammar",
     "TagSpec",
     "ToolGrammar",
@@ -318,22 +321,29 @@ def _check_ref(ref: Any, root: Any, where: str) -> None:
         node = node[part]
 
 
-_REGEX_UNSUPPORTED = re.compile(r"\\[1-9]|\\k<|\(\?(?:=|!|<=|<!|P|<[A-Za-z])")
+#: What XGrammar's regex converter refuses, found in the pattern with its escapes taken out (``\\x`` -> ``_``):
+#: group modifiers other than ``(?:`` (lookarounds, flags, named and atomic groups, conditionals), empty
+#: alternatives, ``{,n}``, possessive quantifiers; and in the raw pattern: backreferences, word boundaries.
+_REGEX_REFUSED = re.compile(r"\(\?(?!:)|^\||\|$|\(\||\|\)|\|\||\{,|[*+?}]\+")
+_REGEX_REFUSED_ESCAPES = re.compile(r"\\(?:[1-9bB]|k<)")
 
 
 def check_regex(pattern: Any, where: str = "regex") -> None:
     """:class:`GrammarError` unless ``pattern`` is a regex XGrammar compiles (no lookaround, backreference,
-    named group or empty alternative)."""
+    group flag, word boundary, possessive quantifier or empty alternative)."""
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError(f"{where}: expected a non-empty regular expression")
     try:
-        re.compile(pattern)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # Python's notes on nested sets: not our concern
+            re.compile(pattern)
     except re.error as exc:
         raise GrammarError(f"{where}: not a valid regular expression: {exc}") from None
     unescaped = re.sub(r"\\.", "_", pattern)
-    if _REGEX_UNSUPPORTED.search(pattern) or re.search(r"(^\||\|$|\(\||\|\)|\|\|)", unescaped):
+    if _REGEX_REFUSED.search(unescaped) or _REGEX_REFUSED_ESCAPES.search(pattern):
         raise GrammarError(
-            f"{where}: lookarounds, backreferences, named groups and empty alternatives are not supported"
+            f"{where}: lookarounds, group flags, backreferences, word boundaries, possessive quantifiers, "
+            "{,n} and empty alternatives are not supported"
         )
 
 

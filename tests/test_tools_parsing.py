@@ -9,7 +9,14 @@ import jsonschema
 import pytest
 
 from modelserver.engines.fake import example_of
-from modelserver.structured import json_grammar, schema_grammar, strict_tools_grammar, tool_call_grammar
+from modelserver.structured import (
+    GrammarError,
+    check_regex,
+    json_grammar,
+    schema_grammar,
+    strict_tools_grammar,
+    tool_call_grammar,
+)
 from modelserver.tools import (
     ToolStreamSplitter,
     detect_parser,
@@ -161,3 +168,21 @@ def test_mistral_history_gets_nine_character_call_ids_that_still_pair_up() -> No
     call_id = fixed[0]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and call_id.isalnum() and fixed[1]["tool_call_id"] == call_id
     assert history[0]["tool_calls"][0]["id"] == "call_abc"  # the caller's messages are left alone
+
+
+# what XGrammar's regex converter (openvino_genai 2026.4) refused and accepted when each was tried on the pipeline
+REFUSED = [r"(?=a)b", r"(a)\1", r"a|", r"(?i)abc", r"(?#c)a", r"(?>a)", r"\bab\b", r"a{,3}", r"a*+", r"\p{L}",
+           r"(a)(?(1)b|c)", r"(a|b"]
+ACCEPTED = [r"\d{3}", r"(?:ab)+", r"a{2,}", r"\w+@\w+\.com", r"^ab$", r"\d+?", r"[a-z&&[^b]]", r"\x41", r"[\w\s]",
+            r"a\|b", r"[|]"]
+
+
+@pytest.mark.parametrize("pattern", REFUSED)
+def test_regexes_xgrammar_refuses_are_refused_first(pattern: str) -> None:
+    with pytest.raises(GrammarError):
+        check_regex(pattern)
+
+
+@pytest.mark.parametrize("pattern", ACCEPTED)
+def test_regexes_xgrammar_compiles_pass(pattern: str) -> None:
+    check_regex(pattern)
