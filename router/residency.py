@@ -50,6 +50,7 @@ class Residency:
         self.publish: Publish | None = None  # the router's event bus, once it exists
         self._task: asyncio.Task[None] | None = None
         self._changing: dict[str, asyncio.Lock] = {}  # one change of a model at a time
+        self._retiring: set[asyncio.Task[None]] = set()  # old backends of rolling changes, draining
 
     # -- what procman's make_room reads ----------------------------------------------------------
 
@@ -74,10 +75,12 @@ class Residency:
             self._task = asyncio.create_task(self.watch.run(), name="memory watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """Stop measuring; the manager's shutdown stops the processes (retiring ones included)."""
+        tasks = [*self._retiring, *([self._task] if self._task is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
 
     def forget(self, name: str) -> None:
         self.watch.forget(name)
@@ -147,8 +150,7 @@ class Residency:
             else:
                 retired = None
                 await model.backend.update(spec)
-        if retired is not None:
-            await retired.close(drain=True)  # after the lock: a next change need not wait for this drain
+        self._retire(retired)
 
     async def restart(self, model: Model) -> None:
         """``POST /api/models/{name}/restart``: rolling where it may, else stop-first."""
@@ -158,8 +160,14 @@ class Residency:
             else:
                 retired = None
                 await model.backend.restart("manual")
-        if retired is not None:
-            await retired.close(drain=True)
+        self._retire(retired)
+
+    def _retire(self, old: Backend | None) -> None:
+        """Drain and stop a replaced backend in the background: neither the next change nor the caller waits."""
+        if old is not None:
+            task = asyncio.create_task(old.close(drain=True), name=f"retire {old.name}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def _lock(self, model: Model) -> asyncio.Lock:
         return self._changing.setdefault(model.spec.name, asyncio.Lock())
