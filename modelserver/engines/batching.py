@@ -102,7 +102,8 @@ class Batcher(Generic[In, Out]):
 
     def _take(self) -> list[_Pending[In, Out]]:
         """The oldest requests up to ``max_batch`` inputs (always at least one, however large)."""
-        taken, count = [], 0
+        taken: list[_Pending[In, Out]] = []
+        count = 0
         while self._pending and (not taken or count + len(self._pending[0].items) <= self._max):
             request = self._pending.pop(0)
             taken.append(request)
