@@ -18,6 +18,7 @@ without ``properties`` accepts any object. Schemas with anything else (``pattern
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -232,7 +233,10 @@ class _SchemaGrammar:
         if low is None and high is None:
             return self.base("integer")
         if low is not None and high is not None and 0 <= high - low < _MAX_ENUMERATED:
-            return "( " + " | ".join(_json_literal(v) for v in range(int(low), int(high) + 1)) + " )"
+            values = range(math.ceil(low), math.floor(high) + 1)
+            if not values:
+                raise Unsupported("no integer in the bounds")  # XGrammar's compiler says so
+            return "( " + " | ".join(_json_literal(v) for v in values) + " )"
         if high is None and low is not None and low in (0, 1):
             return '( "0" | [1-9] [0-9]{0,15} )' if low == 0 else "( [1-9] [0-9]{0,15} )"
         raise Unsupported("integer bounds")
@@ -273,29 +277,31 @@ def json_grammar(schema: Any) -> Grammar:
     """The grammar of a JSON document valid for ``schema`` (compact EBNF where possible)."""
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
+    check_schema(schema)
     ebnf = schema_grammar(schema)
     if ebnf is not None:
         return Grammar("ebnf", ebnf, schema)
-    check_schema(schema)
     return Grammar("json_schema", json.dumps(schema), schema)
 
 
 _TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"),
+           ("minProperties", "maxProperties"))
 
 
 def check_schema(schema: Any, root: Any = None, where: str = "schema") -> None:
-    """:class:`GrammarError` for what XGrammar's JSON-schema compiler fails on: bad types, patterns, refs."""
+    """:class:`GrammarError` for a schema no JSON can satisfy or that XGrammar fails on: keywords of the
+    wrong kind, contradictory bounds, bad types, patterns and references."""
     root = schema if root is None else root
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         raise GrammarError(f"{where}: expected a schema object, got {json.dumps(schema)[:40]}")
-    kinds = schema.get("type", [])
-    for kind in kinds if isinstance(kinds, list) else [kinds]:
-        if kind not in _TYPES:
-            raise GrammarError(f"{where}.type: {json.dumps(kind)} is not one of {', '.join(sorted(_TYPES))}")
+    _check_keywords(schema, where)
     if "pattern" in schema:
         check_regex(schema["pattern"], f"{where}.pattern")
     if "$ref" in schema:
@@ -307,8 +313,38 @@ def check_schema(schema: Any, root: Any = None, where: str = "schema") -> None:
         for name, sub in (schema.get(key) or {}).items():
             check_schema(sub, root, f"{where}.{key}.{name}")
     for key in ("items", "additionalProperties", "not"):
-        if isinstance(schema.get(key), dict):
+        if key in schema and not isinstance(schema[key], bool):
             check_schema(schema[key], root, f"{where}.{key}")
+
+
+def _check_keywords(schema: dict[str, Any], where: str) -> None:
+    def bad(key: str, what: str) -> GrammarError:
+        return GrammarError(f"{where}.{key}: expected {what}, got {json.dumps(schema[key])[:40]}")
+
+    kinds = schema.get("type", [])
+    if "type" in schema and kinds == []:
+        raise bad("type", "a type or a non-empty list of types")
+    for kind in kinds if isinstance(kinds, list) else [kinds]:
+        if kind not in _TYPES:
+            raise GrammarError(f"{where}.type: {json.dumps(kind)} is not one of {', '.join(sorted(_TYPES))}")
+    if "enum" in schema and not (isinstance(schema["enum"], list) and schema["enum"]):
+        raise bad("enum", "a non-empty list")
+    if "required" in schema and not (isinstance(schema["required"], list)
+                                     and all(isinstance(k, str) for k in schema["required"])):
+        raise bad("required", "a list of property names")
+    for key in (*_SUBSCHEMA_LISTS, *_SUBSCHEMA_MAPS):
+        kind, what = (list, "a non-empty list of schemas") if key in _SUBSCHEMA_LISTS else (dict, "a mapping")
+        if key in schema and not (isinstance(schema[key], kind) and (kind is dict or schema[key])):
+            raise bad(key, what)
+    for key in _NUMBERS:
+        if key in schema and (isinstance(schema[key], bool) or not isinstance(schema[key], int | float)):
+            raise bad(key, "a number")
+    for key in _COUNTS:
+        if key in schema and (isinstance(schema[key], bool) or not isinstance(schema[key], int) or schema[key] < 0):
+            raise bad(key, "an integer >= 0")
+    for low, high in _BOUNDS:
+        if low in schema and high in schema and schema[low] > schema[high]:
+            raise GrammarError(f"{where}: {low} {schema[low]} is above {high} {schema[high]}; no value fits")
 
 
 def _check_ref(ref: Any, root: Any, where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -186,3 +187,21 @@ def test_regexes_xgrammar_refuses_are_refused_first(pattern: str) -> None:
 @pytest.mark.parametrize("pattern", ACCEPTED)
 def test_regexes_xgrammar_compiles_pass(pattern: str) -> None:
     check_regex(pattern)
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "minItems 3 is above maxItems 1"),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum 5 is above maximum 2"),
+        ({"enum": []}, "schema.enum: expected a non-empty list"),
+        ({"type": "object", "required": "a"}, "schema.required"),
+        ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "properties.a.maxLength"),
+        ({"type": "array", "items": [{"type": "string"}]}, "schema.items"),
+        ({"type": []}, "schema.type"),
+    ],
+)
+def test_schemas_no_json_satisfies_or_xgrammar_fails_on_are_refused(schema: Any, needle: str) -> None:
+    """Each of these failed inside the pipeline's step (or compiled to an empty grammar) when tried."""
+    with pytest.raises(GrammarError, match=re.escape(needle)):
+        json_grammar(schema)
