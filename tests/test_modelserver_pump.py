@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import openvino_genai as ov_genai
@@ -83,6 +84,10 @@ class ScriptedPipeline:
             raise self.fail_with
         for handle in self.handles.values():
             handle.advance()
+
+    def get_metrics(self) -> Any:  # PipelineMetrics after a step, as /health reads it
+        running = sum(h.status == RUNNING for h in self.handles.values())
+        return SimpleNamespace(scheduled_requests=running, cache_usage=0.0, cache_size_in_bytes=0)
 
 
 class Ids:
