@@ -7,8 +7,10 @@ recently used of the idle models old enough to go, and loaded at least ``min_res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +66,23 @@ def loaded(router: RunningRouter) -> set[str]:
     return {n for n, m in router.service.registry.models.items() if m.backend.state is State.READY}
 
 
-async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def three_of_four_loaded(tmp_path: Path, min_residency_s: float) -> AsyncIterator[tuple[RunningRouter,
+                                                                                                EvictionCheck]]:
+    """Four 300 MiB models under a 1 GiB budget, a, b and c loaded (in that order), evictions checked."""
     models = {name: sized(300) for name in "abcd"}
-    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults={"min_residency_s": 0})
+    defaults = {"min_residency_s": min_residency_s}
+    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults=defaults)
     async with running_router(path) as router:
         check = EvictionCheck(router)
         router.service.registry.manager.add_listener(check)
         for name in "abc":
             assert await ask(router, name) == 200
+        yield router, check
+
+
+async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_path: Path) -> None:
+    async with three_of_four_loaded(tmp_path, 0) as (router, check):
         assert await ask(router, "a") == 200  # b is now the least recently used
         assert await ask(router, "d") == 200
         assert check.evicted == ["b"] and loaded(router) == {"a", "c", "d"}
@@ -93,13 +104,7 @@ async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_p
 
 
 async def test_min_residency_makes_a_start_wait_instead_of_thrashing(tmp_path: Path) -> None:
-    models = {name: sized(300) for name in "abcd"}
-    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults={"min_residency_s": 1.5})
-    async with running_router(path) as router:
-        check = EvictionCheck(router)
-        router.service.registry.manager.add_listener(check)
-        for name in "abc":
-            assert await ask(router, name) == 200
+    async with three_of_four_loaded(tmp_path, 1.5) as (router, check):
         # d must wait for one of a, b, c to have been loaded 1.5 s: it waits, it does not fail
         assert await asyncio.gather(*(ask(router, "d", f"d {i}") for i in range(3))) == [200, 200, 200]
         assert check.evicted == ["a"] and not check.problems, check.problems
