@@ -21,6 +21,7 @@ import openai
 import pytest
 from modelserver_helpers import ModelServerProcess, modelserver
 
+from modelserver.cli import EXIT_FATAL
 from modelserver.spec import build_model_spec
 
 pytestmark = pytest.mark.real_model
@@ -270,4 +271,4 @@ def test_a_real_engine_error_matching_fatal_patterns_fails_the_process(demo_gguf
     with tiny_batch_server(demo_gguf, tmp_path, fatal_patterns=[SCHEDULER_REFUSAL]) as server, server.client() as http:
         failed = http.post("/v1/completions", json=LONG_PROMPT)
         assert failed.status_code == 500 and failed.headers["x-backend-fatal"] == "1"
-        assert http.get("/health").status_code == 503
+        assert server.wait_exit(timeout_s=30) == EXIT_FATAL  # answered, then never touches the device again
