@@ -195,8 +195,11 @@ class Residency:
             self._publish("rolling", {"model": name, "phase": "failed", "reason": reason, "error": error})
             await manager.drop_successor(name)
             return None
-        if self.registry.models.get(name) is not model or model.backend is not old:  # removed or replaced meanwhile
-            await manager.drop_successor(name)
+        stopped = old.state is State.STOPPED or (old.state is State.STOPPING and old.counters.then == "stop")
+        if self.registry.models.get(name) is not model or model.backend is not old or stopped:
+            await manager.drop_successor(name)  # removed, replaced or stopped meanwhile: the new process is not wanted
+            if stopped and model.backend is old:
+                await old.update(spec)  # the next start runs the new spec
             return None
         manager.promote(name, restart_reason=reason if reason == "manual" else None)
         self.registry.bind(model, successor)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from modelserver.spec import SPEC_ENV
 from procman import Backend, State
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
@@ -210,3 +211,20 @@ async def test_a_failed_new_process_leaves_the_old_one_serving(tmp_path: Path) -
         assert await ask(router, "m") == 200 and router.backend("m").pid == old
         row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "m")
         assert "old one keeps serving" in row["rolling_error"]
+
+
+async def test_an_unload_during_a_rolling_change_wins(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"m": sized(100, fake={"load_s": 1.0})})
+    async with running_router(path) as router:
+        assert await ask(router, "m") == 200
+        old = router.backend("m")
+        rewrite(path, lambda d: d["models"]["m"]["fake"].update(token_delay_s=0.001))
+        await router.client.post("/api/reload")
+        manager = router.service.registry.manager
+        await wait_for(lambda: "m (new)" in [h.name for h in manager.holders()], 10, "the new process to start")
+        assert (await router.client.post("/api/models/m/unload")).status_code == 200
+        await wait_for(lambda: json.loads(old.spec.env[SPEC_ENV])["fake"]["token_delay_s"] == 0.001, 20,
+                       "the change to be kept for the next start")
+        assert "m (new)" not in [h.name for h in manager.holders()]
+        assert router.backend("m") is old and old.state is State.STOPPED
+        assert await ask(router, "m") == 200  # a cold start of the new spec
