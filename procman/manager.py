@@ -344,8 +344,8 @@ class ProcessManager:
         if backend is None or victim in self._evicting:
             return
         claim = self._claim(victim)
-        log.info("evicting %s (%s, least recently used idle, %s on %s) to start %s", victim, reason,
-                 format_bytes(claim.size_bytes), claim.device, target)
+        size = f", {format_bytes(claim.size_bytes)} on {claim.device}" if claim.device is not None else ""
+        log.info("evicting %s (%s, least recently used idle%s) to start %s", victim, reason, size, target)
         self._evicting.add(victim)
         self._runtime.notify("on_evict", backend, target, reason)
         task = asyncio.ensure_future(backend.stop("evict"))

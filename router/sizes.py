@@ -9,7 +9,7 @@ in ``<state_dir>/memory.json``, so a restarted router knows sizes before the fir
 What a model is taken to need (:meth:`SizeStore.size_of`), first match wins:
 
 1. ``memory_mb`` declared in its config (a ``command:`` backend reports nothing itself);
-2. its last measured peak;
+2. its last measured peak (on the device it is configured for now);
 3. the fake engine's configured ``fake.memory_mb``;
 4. an estimate: the size of its files (``path``) times :data:`ESTIMATE_FACTOR` plus
    :data:`ESTIMATE_OVERHEAD_BYTES` (the Python and OpenVINO runtime of the process);
@@ -104,7 +104,7 @@ class SizeStore:
         if declared:
             return Size(device, int(declared * MIB), "declared")
         seen = self.models.get(spec.name)
-        if seen is not None and seen.get("peak_bytes"):
+        if seen is not None and seen.get("peak_bytes") and seen.get("device") == device:  # a moved model: estimate
             return Size(device, int(seen["peak_bytes"]), "measured")
         fake_mb = spec.fake.memory_mb if spec.engine == "fake" and spec.command is None else None
         if fake_mb:

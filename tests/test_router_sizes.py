@@ -212,3 +212,10 @@ def test_budgets_now_resolves_auto_with_reported_gpu_totals(tmp_path: Path) -> N
     store.record("g", 1, {"device": "GPU.1", "counted_bytes": G, "device_total_bytes": 10 * G})
     assert budgets_now("auto", models, store)["GPU.1"] == 9 * G
     assert budgets_now(None, models, store) == {}
+
+
+def test_a_model_moved_to_another_device_is_estimated_again(tmp_path: Path) -> None:
+    store = SizeStore(None)
+    store.record("m", 1, {"device": "CPU", "counted_bytes": 300 * M})
+    assert store.size_of(spec("m", path=str(tmp_path), device="CPU")).source == "measured"
+    assert store.size_of(spec("m", path=str(tmp_path), device="GPU.0")).source != "measured"
