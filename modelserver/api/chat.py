@@ -20,9 +20,9 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -59,6 +59,7 @@ from modelserver.tools import ToolCall, ToolStreamSplitter, parse_tool_calls
 
 __all__ = ["Run", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
 
+T = TypeVar("T")
 Shape = ChatShape | TextShape
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -170,11 +171,19 @@ async def _start(request: Request, generator: TextGenerator, generations: list[G
             with engine_errors(rt):
                 runs.append(Run(generator.generate(generation), stops))
         with engine_errors(rt):
-            await until_disconnect(request, asyncio.gather(*(run.start() for run in runs)))
+            await until_disconnect(request, _all(run.start() for run in runs))
     except BaseException:
         await _close(request, runs)
         raise
     return runs
+
+
+async def _all(works: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """The results of ``works``, run side by side when there are several (``n`` > 1); one is just awaited."""
+    pending = list(works)
+    if len(pending) == 1:
+        return [await pending[0]]
+    return list(await asyncio.gather(*pending))
 
 
 async def _close(request: Request, runs: list[Run]) -> None:
@@ -207,7 +216,7 @@ async def _respond(request: Request, body: Body, generation: GenerationRequest, 
     try:
         with engine_errors(runtime(request)):
             choices = await until_disconnect(
-                request, asyncio.gather(*(_collect(run, i, parser, logprobs) for i, run in enumerate(runs)))
+                request, _all(_collect(run, i, parser, logprobs) for i, run in enumerate(runs))
             )
     except ClientGone:
         return Response(status_code=499)
