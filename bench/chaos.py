@@ -48,6 +48,8 @@ log = logging.getLogger("chaos")
 CLIENTS = 6
 HUNG_S = 60.0
 FAULTED = ("alpha", "beta")
+#: The first error body seen per (model, status), printed with the figures.
+SAMPLES: dict[tuple[str, int], str] = {}
 MARKERS = ("[[fatal]]", "[[crash]]", "[[hang]]", "[[error]]", "[[suspect]]", "[[stall]]", "[[crash-mid]]",
            "[[fatal-mid]]", "[[abort]]")
 
@@ -95,7 +97,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
     try:
         async with asyncio.timeout(HUNG_S), session.post(url + "/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
-                await resp.read()
+                raw = await resp.read()
+                SAMPLES.setdefault((body["model"], resp.status), raw[:240].decode(errors="replace"))
                 return f"http {resp.status}"
             if not body["stream"]:
                 await resp.json()
@@ -233,6 +236,8 @@ def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[
     for (model, cause), count in sorted(tally.outcomes.items()):
         print(f"{model:<10} {cause:<14} {count:>8}")
     print(f"poison (marker) requests: {dict(tally.poison)}")
+    for (model, status), sample in sorted(SAMPLES.items()):
+        print(f"  first {status} of {model}: {sample}")
     print(f"hung: {len(tally.hung)}  cut streams without an error event: {len(tally.cut)}  orphans: {len(orphans)}")
     reasons = []
     if tally.hung or tally.poison.get("hung"):

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 from procman import machine as m
@@ -135,6 +135,18 @@ class Backend:
     def is_idle(self) -> bool:
         """READY with nothing in flight: what idle stop and eviction may stop."""
         return self.state is State.READY and self.counters.in_flight == 0 and not self.counters.draining
+
+    def forgive(self, generations: Iterable[int]) -> None:
+        """The deaths of ``generations`` were a poison request's doing (the router named it): those counted as
+        failures come off the count, so the request does not push the model into backoff."""
+        self._post(m.Forgive(tuple(sorted(set(generations)))))
+
+    def _forgiven(self, event: m.Forgive) -> m.Forgive:
+        """``event`` with its count: the deaths among its generations that were counted, now blamed."""
+        counted = [g for g in event.generations if (d := self._deaths.get(g)) is not None and not d.blamed]
+        for generation in counted:
+            self._deaths[generation] = self._deaths[generation]._replace(blamed=True)
+        return m.Forgive(event.generations, len(counted))
 
     def death(self, generation: int) -> Death | None:
         """How the process of ``generation`` ended, when it failed (crash, fatal, hang) while READY.
@@ -315,6 +327,8 @@ class Backend:
         running = self._running
         if isinstance(event, m.Want) and running is not None and running.exited.done() and self.state is State.READY:
             self._apply(self._exited(running, self.generation), None)  # the death first: never admit to a dead one
+        if isinstance(event, m.Forgive):
+            event = self._forgiven(event)
         if isinstance(event, m.Retune):
             self.spec = self._next_spec
         elif isinstance(event, m.Done):

@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 __all__ = [
     "Abort", "Admit", "Arm", "Blame", "Close", "Disarm", "Done", "DrainTimeout", "Effect", "Event", "Exited",
-    "FailParked", "FollowUp", "GiveUp", "Hung", "IdleTick", "Notify", "Park", "Reap", "Reaped", "Refuse", "Restart",
-    "RetryDue", "Retune", "Spawn", "Started", "Stop", "Swap", "Terminate", "Timer", "Update", "Wake", "Want", "Watch",
+    "FailParked", "FollowUp", "Forgive", "GiveUp", "Hung", "IdleTick", "Notify", "Park", "Reap", "Reaped", "Refuse",
+    "Restart", "RetryDue", "Retune", "Spawn", "Started", "Stop", "Swap", "Terminate", "Timer", "Update", "Wake", "Want",
+    "Watch",
 ]
 
 Timer = Literal["idle", "retry", "drain"]
@@ -56,6 +57,15 @@ class Restart:
     reason: str = "manual"
     generation: int | None = None
     blamed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Forgive:
+    """The deaths of ``generations`` were a poison request's doing; ``count`` of them had been counted
+    as failures (the backend fills it in when the event's turn comes, after those deaths were handled)."""
+
+    generations: tuple[int, ...] = ()
+    count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +128,7 @@ class DrainTimeout:
 
 Event = (
     Want | Done | Stop | Close | Restart | Update | Retune | Started | Exited | Hung | Reaped | RetryDue | IdleTick
-    | DrainTimeout
+    | DrainTimeout | Forgive
 )
 
 

@@ -31,6 +31,7 @@ from procman.events import (
     Exited,
     FailParked,
     FollowUp,
+    Forgive,
     GiveUp,
     Hung,
     IdleTick,
@@ -72,6 +73,7 @@ __all__ = [
     "Exited",
     "FailParked",
     "FollowUp",
+    "Forgive",
     "GiveUp",
     "Hung",
     "IdleTick",
@@ -414,6 +416,18 @@ def _on_retune(state: State, e: Retune, c: Counters, p: Policy, now: float) -> D
     return _same(state, c, Watch(), *idle)
 
 
+def _on_forgive(state: State, e: Forgive, c: Counters, p: Policy, now: float) -> Decision:
+    """Deaths a poison request caused come off the failure count; a pending relaunch comes sooner."""
+    c = c._replace(failures=max(0, c.failures - e.count))
+    if state is not S.BACKOFF or not c.auto or c.backoff_until is None or c.closed:
+        return _same(state, c)
+    delay = backoff_delay(c.failures, p.restart) if c.failures else 0.0
+    if c.backoff_until - now <= delay:
+        return _same(state, c)
+    c = c._replace(backoff_until=now + delay)
+    return _same(state, c, FollowUp(RetryDue()) if delay <= 0 else Arm("retry", delay))
+
+
 _HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]] = {
     Want: _on_want,
     Done: _on_done,
@@ -427,6 +441,7 @@ _HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]]
     Hung: _on_hung,
     Reaped: _on_reaped,
     RetryDue: _on_retry,
+    Forgive: _on_forgive,
     IdleTick: _on_idle,
     DrainTimeout: _on_drain_timeout,
 }

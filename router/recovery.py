@@ -60,6 +60,7 @@ class Job:
     send: Send
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
+    deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
     log: StreamLog | None = None
     splice: Splice | None = None
@@ -177,6 +178,7 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         if not lease.exited.done():
             return await _fail(job, BadGateway(f"model {job.name!r} could not be reached; retry the request"))
         death = _death_of(job.model, lease, in_flight)
+    job.deaths.append(lease.generation)
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
     if choice == "again" and job.tries < job.budget() and _prepare_again(job):
         job.tries += 1
@@ -188,6 +190,7 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     if restart is not None:
         _background(restart)
     if choice == "blame":
+        backend.forgive(job.deaths)  # its doing, not the model's: no failure toward the backoff
         log.warning("%s: the request is the likely cause of its process's death (%s: %s); not sent again",
                     job.name, death.cause, detail)
         return await _fail(job, RequestCrashedModel(_blame_message(job, death)))

@@ -26,6 +26,7 @@ from procman.machine import (
     Exited,
     FailParked,
     FollowUp,
+    Forgive,
     GiveUp,
     Hung,
     IdleTick,
@@ -442,3 +443,16 @@ def test_procman_readme_carries_the_state_table_decide_computes() -> None:
     readme = (Path(__file__).resolve().parent.parent / "procman" / "README.md").read_text()
     shown = readme[readme.index(BEGIN) : readme.index(END) + len(END)]
     assert shown == markdown(), "procman/README.md's state table is stale: paste `python -m procman.table`"
+
+
+def test_forgiven_deaths_leave_the_count_and_bring_the_relaunch_sooner() -> None:
+    waiting = C._replace(auto=True, died=True, failures=3, backoff_until=NOW + 2.0)
+    state, c, effects = row(S.BACKOFF, Forgive((4, 5), 2), waiting)
+    assert state is S.BACKOFF and c.failures == 1 and c.backoff_until == NOW and effects == (FollowUp(RetryDue()),)
+    _, c, effects = row(S.BACKOFF, Forgive((5,), 1), waiting)
+    assert c.failures == 2 and c.backoff_until == NOW + 1.0 and effects == (Arm("retry", 1.0),)
+
+
+def test_forgive_in_ready_lowers_the_count_only() -> None:
+    state, c, effects = row(S.READY, Forgive((1, 2, 3), 3), C._replace(failures=2))
+    assert state is S.READY and c.failures == 0 and effects == ()

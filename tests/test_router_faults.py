@@ -139,7 +139,8 @@ async def test_a_retried_request_that_crashes_a_second_process_is_named(tmp_path
         fatal = await router.client.post("/v1/chat/completions", json=chat("[[fatal]]"))
         assert fatal.status_code == 502 and fatal.json()["error"]["code"] == "request_crashed_model"
         assert "retry" in fatal.json()["error"]["message"]
-        await wait_for(lambda: router.backend("echo").restarts == 2)
+        await wait_for(lambda: router.backend("echo").restarts == 2 and router.backend("echo").state.value == "ready")
+        assert router.backend("echo").failures == 0  # both deaths were the request's: forgiven, no backoff
 
 
 async def test_client_errors_carry_no_log_tail_or_socket_path(tmp_path: Path) -> None:
