@@ -68,13 +68,14 @@ class Tally:
         self.outcomes[(model, cause)] += 1
 
 
-def models(real: bool) -> dict[str, Any]:
+def models(real: bool, wrapped: bool = True) -> dict[str, Any]:
     chosen: dict[str, Any] = {
         "alpha": fake_model(load_s=0.3, token_delay_s=0.01, stall_timeout_s=3),
         "beta": fake_model(load_s=0.3, token_delay_s=0.01, stall_timeout_s=3),
         "calm": fake_model(load_s=0.3, token_delay_s=0.01),
-        "wrapped": wrapped_model(),
     }
+    if wrapped:
+        chosen["wrapped"] = wrapped_model()
     if real and DEMO_GGUF.exists():
         chosen["smollm2"] = {"task": "llm", "path": str(DEMO_GGUF), "save_ov_model": True, "max_concurrency": 4}
     return chosen
@@ -151,6 +152,7 @@ class Chaos:
                  rng: random.Random) -> None:
         self.router, self.config, self.session, self.tally, self.rng = router, config, session, tally, rng
         self.pending: set[asyncio.Task[None]] = set()
+        self.markers: tuple[str, ...] = MARKERS
 
     async def act(self) -> None:
         action = self.rng.choice(["kill", "stop", "marker", "marker", "edit", "unload", "restart"])
@@ -172,7 +174,7 @@ class Chaos:
             os.kill(pid, signal.SIGCONT)
 
     async def marker(self, name: str) -> None:
-        body = chat(name, f"poison {self.rng.choice(MARKERS)}", self.rng.random() < 0.5)
+        body = chat(name, f"poison {self.rng.choice(self.markers)}", self.rng.random() < 0.5)
 
         async def send() -> None:
             self.tally.poison[await one_request(self.session, self.router.url, body)] += 1
@@ -202,13 +204,15 @@ class Chaos:
         await asyncio.to_thread(self.router.post, f"/api/models/{name}/restart", None, 30)
 
 
-async def soak(router: Router, config: dict[str, Any], seconds: float, every_s: float, seed: int) -> Tally:
+async def soak(router: Router, config: dict[str, Any], seconds: float, every_s: float, seed: int,
+               markers: tuple[str, ...] = MARKERS) -> Tally:
     rng, tally = random.Random(seed), Tally()
     names = [name for name in config["models"] if name != "extra"]
     until = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         chaos = Chaos(router, config, session, tally, rng)
+        chaos.markers = markers
         clients = [asyncio.create_task(client_loop(session, router.url, names, until, tally,
                                                    random.Random(seed + i))) for i in range(CLIENTS)]
         while time.monotonic() < until - every_s:
@@ -259,15 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-real", action="store_true", help="fake models only (no real demo model)")
     parser.add_argument("--kill-router", action="store_true", help="end with kill -9 of the router, not SIGTERM")
+    parser.add_argument("--markers", help="comma-separated fault markers to send (default: all of them)")
+    parser.add_argument("--no-wrapped", action="store_true", help="leave out the shell-wrapped command: model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     seconds = min(args.seconds, 300.0)
     with tempfile.TemporaryDirectory(prefix="ovrouter-chaos-") as tmp, Procs(Path(tmp) / "logs") as procs:
         state_dir = Path(tmp) / "state"
-        config = router_config(state_dir, models(not args.no_real),
+        config = router_config(state_dir, models(not args.no_real, not args.no_wrapped),
                                {"health_interval_s": 1, "health_failures": 2, "request_timeout_s": 50})
         router = start_router(procs, Path(tmp), config)
-        tally = asyncio.run(soak(router, config, seconds, args.every, args.seed))
+        markers = tuple(m.strip() for m in args.markers.split(",")) if args.markers else MARKERS
+        tally = asyncio.run(soak(router, config, seconds, args.every, args.seed, markers))
         if args.kill_router:
             router.proc.kill()  # kill -9: no shutdown, only PDEATHSIG and the watchdog clean up
             router.proc.wait(10)
