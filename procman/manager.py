@@ -295,8 +295,8 @@ class ProcessManager:
         """Whether a second process of ``name`` fits beside the first now, without stopping anything."""
         members = self.loaded()
         for scope in scopes:
-            if scope.limit > 0 and name in scope.members and len([m for m in members if m.name in scope.members]) \
-                    + 1 > scope.limit:
+            loaded = sum(1 for m in members if m.name in scope.members)
+            if scope.limit > 0 and name in scope.members and loaded + 1 > scope.limit:
                 return False
         return self.place(name + NEW, name).fits
 
@@ -311,9 +311,10 @@ class ProcessManager:
 
     async def drop_successor(self, name: str) -> None:
         """A successor that failed to start: stop and forget it; the current backend keeps serving."""
-        backend = self._extra.pop(name + NEW, None)
+        backend = self._extra.get(name + NEW)
         if backend is not None:
-            await backend.close(drain=False)
+            await backend.close(drain=False)  # counted until its process is gone
+            self._extra.pop(name + NEW, None)
         self._signal()
 
     def promote(self, name: str, restart_reason: str | None = None) -> Backend:
