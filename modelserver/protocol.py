@@ -188,6 +188,15 @@ class ChatCompletionRequest(_Sampling):
     #: (what the router sends to resume a stream whose backend died)
     continue_final_message: bool = False
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict) and value.get("type") == "function":
+            return value
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
     def refuse_unsupported(self, max_n: int = 1) -> None:
         super().refuse_unsupported(max_n)
         if self.continue_final_message and self.messages[-1].role != "assistant":
@@ -336,8 +345,12 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 
 def _field_path(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """``loc`` without the union-member tags pydantic inserts (``str``, ``list[ContentPart]``)."""
-    return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in _UNION_TAGS))
+    """``loc`` without the union-member tags pydantic inserts (``str``, ``list[ContentPart]``, ``NamedToolChoice``)."""
+    return tuple(p for p in loc if isinstance(p, int) or not _is_union_tag(p))
+
+
+def _is_union_tag(part: str) -> bool:
+    return "[" in part or part in _UNION_TAGS or part[:1].isupper()  # model names (NamedToolChoice) are tags too
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})

@@ -221,3 +221,15 @@ async def test_bodies_and_chunks_validate_against_the_openai_spec(http: httpx.As
     check((await http.post("/v1/completions", json=completion)).json(), "CreateCompletionResponse")
     bad = await http.post("/v1/chat/completions", json={"messages": ASK, "guided_regex": "(?=a)"})
     check(bad.json(), "ErrorResponse")
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "needle"),
+    [("any", 'tool_choice: must be "none", "auto", "required"'), ({"type": "function"}, "tool_choice.function")],
+)
+async def test_bad_tool_choice_names_the_field_and_the_shapes(
+    http: httpx.AsyncClient, tool_choice: Any, needle: str
+) -> None:
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": tool_choice}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert assert_error(response, 400, needle)["param"].startswith("tool_choice")
