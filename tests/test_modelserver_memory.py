@@ -1,7 +1,8 @@
 """modelserver.memory: RSS from the kernel, GPU device memory from recorded property values and fdinfo texts.
 
-The GPU paths cannot run on a CPU-only machine: these tests feed ``MemoryMeter`` the shapes
-OpenVINO's ``GPU_MEMORY_STATISTICS`` and the kernel's DRM ``fdinfo`` have (i915 and xe).
+The GPU paths cannot run on a machine without an Intel GPU: these tests feed ``MemoryMeter``
+values of the shapes OpenVINO's ``GPU_MEMORY_STATISTICS`` and the kernel's DRM ``fdinfo``
+documentation give (i915 and xe); they were not captured from a device.
 """
 
 from __future__ import annotations
