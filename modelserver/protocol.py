@@ -329,6 +329,8 @@ def parse_request(body: bytes, model: type[Model]) -> Model:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply to parse; send a JSON object") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -59,6 +59,8 @@ def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody
         data: Any = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON ({exc}); send a JSON object with a `model` field") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply to parse; send a JSON object with a `model`") from None
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object with a `model` field")
     model = data.get("model")

@@ -193,6 +193,8 @@ async def _model_field(request: Request) -> str:
         data = json.loads(body or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON ({exc}); send {{\"model\": \"<id>\"}}") from None
+    except RecursionError:
+        raise BadRequest('request body is nested too deeply to parse; send {"model": "<id>"}') from None
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model:
         raise BadRequest('send a JSON body {"model": "<id>"} naming the model (see GET /models)', param="model")

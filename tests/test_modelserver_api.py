@@ -148,6 +148,7 @@ async def test_models_and_health(llm: httpx.AsyncClient) -> None:
     ("content", "body", "needles"),
     [
         ("malformed", b'{"messages": [', ["not valid JSON"]),
+        ("nested too deeply", b"[" * 5000 + b"]" * 5000, ["nested too deeply"]),
         ("empty", b"", ["empty"]),
         ("array", b"[1, 2]", ["JSON object"]),
         ("missing messages", {"model": "fake"}, ["messages", "required"]),

@@ -148,6 +148,9 @@ async def test_model_api_errors_are_openai_shaped_and_name_the_fix(tmp_path: Pat
         bad = await router.client.post("/models/unload", content=b"{nope", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] is None
         assert "not valid JSON" in bad.json()["error"]["message"]
+        deep = await router.client.post("/models/load", content=b"[" * 100_000 + b"]" * 100_000,
+                                        headers={"content-type": "application/json"})
+        assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
 
 
 async def test_retrieve_a_model_by_id_or_alias_with_the_official_sdk(tmp_path: Path) -> None:
