@@ -7,9 +7,11 @@ model's tokens (special tokens excluded).
 
 Concurrent requests are gathered as for embeddings (:mod:`modelserver.engines.batching`)
 and run in one hop to the model's worker, one pipeline call each: the pipeline scores one
-query per call, and merging the documents of requests with the same query is not done
-because openvino_genai 2026.4's pipeline over a single-input tokenizer (the test model's)
-aborts the process on five or more documents in one call.
+query per call, and the documents of requests with the same query are not merged into one
+call: openvino_genai 2026.4's pipeline over the test model's tokenizer aborts the process
+(a CombineSegments check, then heap corruption) once a call's query and documents pass some
+size ("cat on a mat" with five short documents does; "x" with six does not), so a merged
+call could crash on requests that each pass alone.
 
 ``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
 ``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32).
