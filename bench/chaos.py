@@ -63,9 +63,11 @@ class Tally:
     actions: Counter[str] = field(default_factory=Counter)
     hung: list[str] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
+    seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (model, cause) -> durations
 
-    def add(self, model: str, cause: str) -> None:
+    def add(self, model: str, cause: str, duration_s: float = 0.0) -> None:
         self.outcomes[(model, cause)] += 1
+        self.seconds.setdefault((model, cause), []).append(duration_s)
 
 
 def models(real: bool, wrapped: bool = True) -> dict[str, Any]:
@@ -127,8 +129,9 @@ async def client_loop(session: aiohttp.ClientSession, url: str, names: list[str]
     while time.monotonic() < until:
         model = rng.choice(names)
         stream = rng.random() < 0.5
+        started = time.monotonic()
         cause = await one_request(session, url, chat(model, f"hello from a client {rng.randint(1, 999)}", stream))
-        tally.add(model, cause)
+        tally.add(model, cause, time.monotonic() - started)
         if cause == "hung":
             tally.hung.append(f"{model} stream={stream}")
         if cause == "cut":
@@ -236,9 +239,10 @@ def model_processes(state_dir: Path) -> list[psutil.Process]:
 def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[str]:
     """Print the figures; the list of reasons the run fails (empty: passed)."""
     print(f"\nchaos soak: {seconds:.0f} s, {CLIENTS} clients; actions: {dict(tally.actions)}")
-    print(f"{'model':<10} {'cause':<14} {'requests':>8}")
+    print(f"{'model':<10} {'cause':<14} {'requests':>8} {'median s':>9} {'max s':>7}")
     for (model, cause), count in sorted(tally.outcomes.items()):
-        print(f"{model:<10} {cause:<14} {count:>8}")
+        times = sorted(tally.seconds.get((model, cause), [0.0]))
+        print(f"{model:<10} {cause:<14} {count:>8} {times[len(times) // 2]:>9.3f} {times[-1]:>7.2f}")
     print(f"poison (marker) requests: {dict(tally.poison)}")
     for (model, status), sample in sorted(SAMPLES.items()):
         print(f"  first {status} of {model}: {sample}")
