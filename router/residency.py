@@ -207,4 +207,7 @@ class Residency:
         log.info("%s: requests now go to pid=%s; pid=%s drains and stops", name, successor.pid, old.pid)
         self._publish("rolling", {"model": name, "phase": "switched", "reason": reason, "old_pid": old.pid,
                                   "pid": successor.pid})
+        self._publish("state", {"model": name, "state": successor.state.value, "old": old.state.value,
+                                "pid": successor.pid, "reason": f"restart:{reason}", "last_error": None,
+                                "started_at": successor.started_at, "at": time.time()})  # the dashboard's new pid
         return old

@@ -181,8 +181,12 @@ async def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> 
         async def restart() -> None:
             assert (await router.client.post("/api/models/m/restart")).status_code == 200
 
-        old, new, statuses = await change_under_load(router, "m", restart)
+        async with router.service.events.subscribe({"rolling", "state"}) as events:
+            old, new, statuses = await change_under_load(router, "m", restart)
+            seen = [await events.get() for _ in range(events.pending())]
         assert set(statuses) == {200} and new != old
+        assert [e.data["phase"] for e in seen if e.kind == "rolling"] == ["starting", "switched"]
+        assert any(e.kind == "state" and e.data["pid"] == new for e in seen)  # the dashboard learns the new pid
         await wait_for(lambda: not alive(old), 15, "the old process to exit")
 
 
