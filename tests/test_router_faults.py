@@ -232,3 +232,15 @@ async def test_fatal_errors_in_three_models_on_one_device_mark_it_unhealthy_unti
         reset = await router.client.post("/api/devices/GPU.7/reset")
         assert reset.status_code == 200 and reset.json()["was_unhealthy"] is True
         assert (await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "d"})).status_code == 200
+
+
+async def test_a_second_suspect_error_within_a_minute_replaces_the_process(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        first = await router.client.post("/v1/chat/completions", json=chat("[[suspect]]"))
+        assert first.status_code == 500 and first.json()["error"]["code"] == "engine_suspect"
+        pid = router.backend("echo").pid
+        assert router.backend("echo").restarts == 0  # one suspect error is an ordinary 500
+        second = await router.client.post("/v1/chat/completions", json=chat("again [[suspect]]"))
+        # the second one fails the process (it exits); the retry on the fresh process is that one's first suspect
+        assert second.status_code == 500 and second.json()["error"]["code"] == "engine_suspect"
+        assert router.backend("echo").restarts == 1 and router.backend("echo").pid != pid
