@@ -103,6 +103,23 @@ async def test_models_and_states_show_and_unload_is_seen_live(tmp_path: Path, br
                   f"{click_to_stopped_ms:.0f} ms (includes stopping the process)")
 
 
+async def test_the_page_loads_without_a_console_error(tmp_path: Path, browser: object) -> None:
+    async with running_router(write_config(tmp_path, _models())) as router:
+        page = await browser.new_page()  # type: ignore[attr-defined]
+        failed: list[str] = []
+        page.on("console", lambda m: failed.append(f"{m.text} {m.location}") if m.type == "error" else None)
+        try:
+            page.set_default_timeout(TIMEOUT_MS)
+            await page.goto(router.url + "/ui")
+            await page.wait_for_selector("#conn.on")
+            await page.wait_for_selector(_row(page, "chat", "stopped"))
+            # a browser asks for /favicon.ico (a 404, logged as a console error) unless the page names an icon
+            assert await page.evaluate("document.querySelector('link[rel=icon]') !== null")
+            assert failed == []
+        finally:
+            await page.close()
+
+
 async def test_a_log_line_a_request_produced_is_followed(tmp_path: Path, browser: object) -> None:
     async with running_router(write_config(tmp_path, _models())) as router:
         assert (await router.client.post("/api/models/chat/load")).status_code == 200
