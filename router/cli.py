@@ -83,6 +83,9 @@ def _check(args: argparse.Namespace) -> int:
     for name, spec in config.models.items():
         where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())
         print(f"  {name:<20} {spec.task:<14} {spec.device:<8} {where}")
+    for name, spec in config.models.items():  # valid, but this model would fail to start (503 naming the path)
+        if spec.engine == "openvino" and spec.path and not (spec.url or spec.command) and not Path(spec.path).exists():
+            print(f"  warning: models.{name}.path: {spec.path} does not exist (the model cannot start)")
     return 0
 
 

@@ -100,6 +100,11 @@ def test_check_command_prints_all_errors_and_exits_non_zero(tmp_path: Path) -> N
     good = subprocess.run([sys.executable, "-m", "router.cli", "check", str(ROOT / "config.yaml")],
                           capture_output=True, text=True)
     assert good.returncode == 0 and "OK, 2 model(s)" in good.stdout
+    path.write_text("models:\n  gone: {path: nowhere.gguf}\n  fake: {engine: fake}\n")
+    missing = subprocess.run([sys.executable, "-m", "router.cli", "check", str(path)], capture_output=True, text=True)
+    assert missing.returncode == 0 and "OK, 2 model(s)" in missing.stdout
+    assert f"warning: models.gone.path: {tmp_path / 'nowhere.gguf'} does not exist" in missing.stdout
+    assert "models.fake" not in missing.stdout
 
 
 def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
