@@ -64,7 +64,10 @@ def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object with a `model` field")
     model = data.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        names = ", ".join(sorted(known))
+        raise BadRequest(f"`model` must be a string, got {json.dumps(model)[:80]}: name one of {names}", param="model")
+    if not model:
         raise BadRequest(_missing_model(known), param="model")
     return RoutedBody(model, stream=data.get("stream") is True)
 

@@ -192,6 +192,8 @@ def test_model_of_json_and_multipart() -> None:
         model_of(b"[" * 100_000 + b"]" * 100_000, "application/json", [])
     with pytest.raises(BadRequest, match="`model` is required: name one of a, b"):
         model_of(b'{"messages": []}', "application/json", ["b", "a"])
+    with pytest.raises(BadRequest, match="`model` must be a string, got 5: name one of a, b"):
+        model_of(b'{"model": 5}', "application/json", ["b", "a"])
 
 
 async def test_read_body_refuses_past_the_limit_without_content_length() -> None:
