@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from procman import BackendUnavailable
+from procman import BackendUnavailable, State
 from router.errors import BadRequest, ModelNotFound, unavailable
 from router.registry import Model
 from router.service import RouterService, check_key
@@ -50,6 +50,9 @@ def management_routes(service: RouterService) -> list[Route]:
     async def load(request: Request) -> Response:
         model = _model(service, request)
         try:
+            never = service.never_fits(model) if model.backend.state is not State.READY else None
+            if never is not None:
+                raise never
             await model.backend.ensure_ready()
         except BackendUnavailable as exc:
             raise unavailable(model.spec.name, exc, "failed to load") from None

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from procman import Backend, State
+from router.errors import client_line
 from router.events import EventBus
 from router.registry import Model
 from router.service import RouterService
@@ -86,6 +87,8 @@ class StatusBus:
             status["progress"] = self._progress(name)
         elif value == "failed":
             status.update(failed=True, exit_code=backend.exit_code)
+            if backend.last_error:
+                status["last_error"] = client_line(backend.last_error)
             if backend.retry_after_s is not None:
                 status["retry_after_s"] = round(backend.retry_after_s, 1)
         return status
@@ -105,6 +108,11 @@ class StatusBus:
         if future is None or future.done():
             future = self._changed[name] = asyncio.get_running_loop().create_future()
         return future
+
+    def refused(self, model: Model) -> None:
+        """A load the router refused before it began (it can never fit): ``failed`` until the next start or stop."""
+        self._last_start_failed[model.spec.name] = True
+        self._publish_change(model.backend)
 
     def event(self, model: Model) -> dict[str, Any]:
         """A llama.cpp ``model_status`` event with the model's current status."""

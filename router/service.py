@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from procman import ProcessManager
+from procman import BackendUnavailable, ProcessManager
 from router.config import Config, ConfigError, load_config
 from router.console import Console
 from router.devices import DeviceGuard
@@ -132,6 +132,17 @@ class RouterService:
             return new
         log.warning("router.%s changed: restart the router to apply it", ", router.".join(kept))
         return Config(router=new.router.model_copy(update=kept), models=new.models, groups=new.groups, path=new.path)
+
+    def never_fits(self, model: Any) -> BackendUnavailable | None:
+        """The error of a start of ``model`` its device's ``memory_budget`` can never hold (procman refuses it a
+        moment after STARTING, with no ``last_error``), recorded as its ``last_error``; else None."""
+        if model.backend.spec.remote:
+            return None
+        never = self.registry.manager.place(model.spec.name).never
+        if never is None:
+            return None
+        model.backend.last_error = never
+        return BackendUnavailable(never)
 
     def models_table(self) -> list[dict[str, Any]]:
         rows = []

@@ -124,6 +124,25 @@ async def test_a_model_that_can_never_fit_gets_a_503_naming_the_budget_and_sizes
         assert router.backend("pinned").state is State.READY
 
 
+async def test_loading_a_model_that_can_never_fit_through_the_model_apis_is_a_503_and_listed_failed(
+        tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"huge": sized(2048)}, router={"memory_budget": {"CPU": "1GiB"}})
+    async with running_router(path) as router:
+        for load in (router.client.post("/models/load", json={"model": "huge"}),
+                     router.client.post("/api/models/huge/load")):
+            reply = await load
+            assert reply.status_code == 503, reply.text
+            message = reply.json()["error"]["message"]
+            assert "huge needs 2 GiB" in message and "memory_budget CPU: 1 GiB" in message, message
+            assert "\n" not in message
+        listed = (await router.client.get("/models")).json()["data"]
+        status = next(m for m in listed if m["id"] == "huge")["status"]
+        assert status["value"] == "failed" and "memory_budget CPU: 1 GiB" in status["last_error"], status
+        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "huge")
+        assert "memory_budget CPU: 1 GiB" in row["last_error"], row
+        assert router.backend("huge").state is State.STOPPED
+
+
 async def test_sizes_are_measured_and_remembered_under_state_dir(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"m": sized(123)}, router={"memory_budget": "auto"})
     async with running_router(path) as router:
