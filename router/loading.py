@@ -3,8 +3,8 @@
 A client (or a reverse proxy with a 30-60 s idle timeout) that sends ``"stream": true`` to
 a stopped model would otherwise see nothing until the model is loaded. When the model is
 not READY as the request arrives, the router answers the response head (200,
-``text/event-stream``) after one second and then, every second until the first real
-chunk, an SSE comment line::
+``text/event-stream``) after one second and then, every second until the model is READY
+(the wait for the model server's answer after that is no cold start), an SSE comment line::
 
     : loading smollm2 2.0s of ~3.1s
 
@@ -54,6 +54,7 @@ class Feedback:
     """The ticker of one request, and what it changes once the model server answers."""
 
     def __init__(self, model: Model, chat: bool, send: Send, estimate_s: float | None) -> None:
+        self.model = model
         self.name = model.spec.name
         self.reasoning = chat and getattr(model.spec, "loading_progress", "comments") == "reasoning"
         self.send = send
@@ -83,6 +84,8 @@ class Feedback:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            if self.model.backend.state is State.READY:
+                return  # loaded: the request is on its way upstream; waiting for its answer is not loading
             async with self._lock:
                 if not self.head_sent:
                     await self.send({"type": "http.response.start", "status": 200, "headers": HEAD})

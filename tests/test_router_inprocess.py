@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import router.loading
 import router.recovery
 from procman import State
 from router.httpclient import UpstreamError, UpstreamTimeout
@@ -321,3 +322,25 @@ async def test_group_evicts_the_idle_model_and_waits_for_a_busy_one(tmp_path: Pa
         assert (await stream).status == 200 and (await waiting).status == 200
         assert r.backend("b").state is State.STOPPED and r.backend("a").state is State.READY
         assert r.harness.recorder.stops == [("a", "evict"), ("b", "evict")]
+
+
+async def test_the_loading_ticker_stops_once_the_model_is_ready(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router.loading, "TICK_S", 0.01)
+    async with fake_router(tmp_path, {"echo": model(loading_progress="reasoning")}) as r:
+        arrived, answer = asyncio.Event(), asyncio.Event()
+
+        async def slow_head(call: Call) -> FakeReply:  # a [[hang]] before the response head
+            arrived.set()
+            await answer.wait()
+            return FakeReply(chunks=[b"data: one\n\n", b"data: [DONE]\n\n"], content_type=b"text/event-stream")
+
+        r.upstream.handler = slow_head
+        request = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", stream=True)))
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert r.backend("echo").state is State.READY
+        ticker = next(t for t in asyncio.all_tasks() if t.get_name() == "loading echo")
+        await asyncio.wait_for(asyncio.shield(ticker), 10)  # it ends by itself: the model is loaded
+        answer.set()
+        reply = await asyncio.wait_for(request, 10)
+        assert reply.status == 200 and reply.body.endswith(b"data: one\n\ndata: [DONE]\n\n")
