@@ -245,8 +245,8 @@ def _on_close(state: State, e: Close, c: Counters, p: Policy, now: float) -> Dec
 
 
 def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) -> Decision:
-    if c.closed:
-        return _same(state, c)
+    if c.closed and not (state is S.READY and e.reason in FAILURE_REASONS):
+        return _same(state, c)  # closing: only a hung or failed process still draining is killed (below)
     if e.generation is not None and (e.generation != c.generation or state is not S.READY):
         return _same(state, c)  # that process is gone already: someone else restarted it
     if state is S.READY and e.reason in FAILURE_REASONS:

@@ -7,7 +7,9 @@ too. An innocent request is retried once on the fresh process (a non-streamed on
 nothing sent yet) or its stream is resumed (up to ``max_resumes``). A request that was
 alone in a process that crashed or hung on its own is the likely cause (a *poison*
 request): it is answered at once, naming itself as the cause, and never sent again — as
-is a request that already had its second chance and took a second process down with it.
+is a request that already had its second chance and took a second process down with it
+alone. A second death shared with other requests blames none of them (a poison neighbour
+retried beside them is as likely): each gets an ordinary 502 and is not sent a third time.
 
 A hang (no health answer) costs no retry to a non-streamed request: a request that hangs
 a process would hang the fresh one too, and the clients of the hung process are answered
@@ -52,8 +54,8 @@ def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
 
     ``second``: the request already had a retry or resume; ``streaming``: its stream had started.
     """
-    if second:
-        return "again" if external(death) else "blame"
+    if second:  # never a third try; named the cause only when it took a process down alone
+        return "again" if external(death) else "blame" if death.in_flight <= 1 else "fail"
     if death.cause == "hang" and streaming:
         return "again"  # tokens were flowing when it hung: the device, not the request
     if not innocent(death):

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from starlette.types import Send
 
-from procman import BackendUnavailable, Lease
+from procman import Backend, BackendUnavailable, Lease
 from router.blame import Cause, Death, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
@@ -62,6 +62,7 @@ class Job:
     tries: int = 0  # retries and resumes taken
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
+    backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
     log: StreamLog | None = None
     splice: Splice | None = None
     head_sent: bool = False
@@ -88,9 +89,12 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
     async with model.limiter:
         while True:
             try:
-                async with model.backend.request() as lease:
+                job.backend = model.backend
+                async with job.backend.request() as lease:
                     result = await _attempt(job, lease)
             except BackendUnavailable as exc:
+                if job.backend is not model.backend:
+                    continue  # a rolling change replaced (closed) it while this request waited: the new one
                 if not job.head_sent:
                     raise unavailable(model.spec.name, exc) from None
                 return await _end_stream(job, f"model {job.name!r} could not be restarted", "model_unavailable")
@@ -167,7 +171,7 @@ async def _relay_chunk(job: Job, chunk: bytes) -> None:
 
 async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int | None:
     """The process behind ``lease`` failed this request; decide between going again and answering."""
-    backend = job.model.backend
+    backend = job.backend or job.model.backend  # the lease's own: a retiring process is killed as hung too
     in_flight = backend.in_flight
     if cause in ("fatal", "stall"):
         restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation)
@@ -177,7 +181,7 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
         if not lease.exited.done():
             return await _fail(job, BadGateway(f"model {job.name!r} could not be reached; retry the request"))
-        death = _death_of(job.model, lease, in_flight)
+        death = _death_of(backend, lease, in_flight)
     job.deaths.append(lease.generation)
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
     if choice == "again" and job.tries < job.budget() and _prepare_again(job):
@@ -201,9 +205,9 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     return await _fail(job, BadGateway(_death_message(job, death)))
 
 
-def _death_of(model: Model, lease: Lease, in_flight: int) -> Death:
+def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:
     """How the process behind ``lease`` ended, as the backend saw it (or as the lease tells)."""
-    known = model.backend.death(lease.generation)
+    known = backend.death(lease.generation)
     if known is not None:
         return Death(cast(Cause, known.cause), known.code, known.in_flight)
     code = None

@@ -378,6 +378,14 @@ def test_stop_while_stopping_for_a_restart_ends_stopped() -> None:
     assert c.then == "stop" and c.reason == "unload"
 
 
+def test_a_hung_process_draining_after_a_close_is_killed_at_once_and_ends_stopped() -> None:
+    state, c, effects = row(S.READY, Hung(C.generation), C._replace(closed=True, draining=True, then="stop",
+                                                                       in_flight=2))
+    assert state is S.STOPPING and effects[-1] == Terminate(graceful=False) and c.then == "stop"
+    assert row(S.STOPPING, Reaped(), c)[0] is S.STOPPED
+    assert row(S.READY, Restart("manual"), C._replace(closed=True, draining=True))[0] is S.READY
+
+
 def test_closed_backend_is_not_restarted_after_reaping() -> None:
     state, _, _ = row(S.STOPPING, Reaped(), C._replace(then="start", closed=True))
     assert state is S.STOPPED

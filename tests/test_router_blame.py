@@ -25,7 +25,9 @@ SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
         (Death("hang", -9, in_flight=2), False, False, "fail"),  # a hang is never retried: it would hang again
         (Death("hang", -9, in_flight=2), False, True, "again"),  # a stream under way is resumed
         (Death("hang", -9, in_flight=1), False, True, "again"),  # ... even alone: its tokens were flowing
-        (Death("crash", 86, in_flight=3), True, False, "blame"),  # its second process down: named the cause
+        (Death("crash", 86, in_flight=1), True, False, "blame"),  # its second process down alone: the cause
+        (Death("crash", 86, in_flight=3), True, False, "fail"),  # shared: a neighbour may be the cause
+        (Death("fatal", -9, in_flight=2), True, False, "fail"),
         (Death("fatal", -9, in_flight=1), True, True, "blame"),
         (Death("crash", KILL, in_flight=1), True, False, "again"),  # killed from outside twice: not its doing
     ],

@@ -244,3 +244,52 @@ async def test_a_second_suspect_error_within_a_minute_replaces_the_process(tmp_p
         # the second one fails the process (it exits); the retry on the fresh process is that one's first suspect
         assert second.status_code == 500 and second.json()["error"]["code"] == "engine_suspect"
         assert router.backend("echo").restarts == 1 and router.backend("echo").pid != pid
+
+
+async def test_a_hung_process_replaced_by_a_rolling_restart_is_killed_not_drained(tmp_path: Path) -> None:
+    health = {"health_interval_s": 1, "health_timeout_s": 0.5, "health_failures": 2}  # the roll lands first
+    async with running_router(config(tmp_path, drain_timeout_s=300, **health)) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
+        old = router.backend("echo")
+        pid = old.pid
+        assert pid is not None
+        lines: list[str] = []
+        stopped = asyncio.Event()
+
+        async def read_stream() -> None:
+            async for line in stream_lines(router, chat(WORDS, stream=True)):
+                lines.append(line)
+                if len(lines) == 4 and not stopped.is_set():
+                    await wait_for(lambda: old.in_flight == 2)  # the plain request is in flight too
+                    os.kill(pid, signal.SIGSTOP)  # hung: no token, no health answer
+                    stopped.set()
+
+        reader = asyncio.create_task(read_stream())
+        plain = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(WORDS)))
+        await asyncio.wait_for(stopped.wait(), 20)
+        restart = await router.client.post("/api/models/echo/restart")
+        assert restart.status_code == 200 and router.backend("echo") is not old  # rolled: the old one retires
+        assert old.closed  # its hang is detected while it drains
+        done, _ = await asyncio.wait({reader, plain}, timeout=30)
+        assert len(done) == 2, "the requests of the hung retiring process waited out its drain"
+        assert_whole_answer("\n\n".join(lines) + "\n\n")  # the stream was resumed on the new process
+        answer = await plain  # a hang costs a non-streamed request no retry: answered, not held
+        assert answer.status_code in (200, 502), answer.text
+        await wait_for(lambda: old.state.value == "stopped")
+        assert old.last_error is not None and "killed" in old.last_error  # SIGKILLed as hung, not drained
+
+
+async def test_clean_requests_beside_a_poison_one_are_never_named_the_cause(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path)) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
+        backend = router.backend("echo")
+        clean = [asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(WORDS)))
+                 for _ in range(3)]
+        await wait_for(lambda: backend.in_flight == 3)
+        # crashes every process it reaches, so its retry takes the clean ones' retries down with it
+        poison = await router.client.post("/v1/chat/completions", json=chat(f"{WORDS} [[crash]]"))
+        answers = await asyncio.gather(*clean)
+        assert poison.status_code == 502
+        for answer in answers:  # retried once; a second shared death is no proof against them
+            assert answer.status_code == 200 or answer.json()["error"]["code"] != "request_crashed_model", answer.text
+        assert backend.restarts <= 2  # the poison request was sent twice at most
