@@ -37,6 +37,7 @@ __all__ = [
     "ToolParserName",
     "ToolStreamSplitter",
     "detect_parser",
+    "drop_cut_call",
     "mistral_call_ids",
     "parse_tool_calls",
     "plain_history",
@@ -232,8 +233,46 @@ def parse_tool_calls(parser: str, text: str) -> ParsedOutput:
         content = "" if calls else text
     if not calls:
         return ParsedOutput(text, ())
-    ids = tuple(ToolCall(c.name, c.arguments, new_call_id()) for c in calls)
+    ids = tuple(ToolCall(c.name, c.arguments, new_call_id()) for c in _distinct(calls))
     return ParsedOutput(content.strip() or None, ids)
+
+
+def _distinct(calls: list[ToolCall], seen: set[tuple[str, str]] | None = None) -> list[ToolCall]:
+    """``calls`` without repeats (same name and arguments; a weak model may write one call over and over)."""
+    seen = set() if seen is None else seen
+    out = []
+    for call in calls:
+        if (call.name, call.arguments) not in seen:
+            seen.add((call.name, call.arguments))
+            out.append(call)
+    return out
+
+
+_BARE_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')
+
+
+def drop_cut_call(parser: str, text: str) -> str:
+    """``text`` of an answer cut by ``max_tokens`` without the unfinished call at its end (a marker's first
+    characters such as ``<tool``, an unclosed ``<tool_call>`` block, a bare JSON call cut short); the complete
+    calls before it stay."""
+    if parser == "none":
+        return text
+    markers = _MARKERS.get(parser, ())
+    text = text[: len(text) - max((_partial_suffix(text, m) for m in markers), default=0)]
+    if parser == "hermes":
+        at = text.rfind(HERMES_OPEN)
+        unclosed = at >= 0 and HERMES_CLOSE not in text[at:]
+        return text[:at] if unclosed and _json_calls(text[at + len(HERMES_OPEN) :]) is None else text
+    for marker in markers:
+        if (at := text.find(marker)) >= 0 and not parse_tool_calls(parser, text[at:]).calls:
+            return text[:at]
+    if _BARE_CALL.match(text) and not parse_tool_calls(parser, text).calls:
+        while ";" in text:  # Llama 3's `;`-separated calls: keep the complete ones
+            text = text.rsplit(";", 1)[0]
+            if parse_tool_calls(parser, text).calls:
+                return text
+        return ""
+    return text
 
 
 # -- streaming --------------------------------------------------------------------------------
@@ -256,6 +295,7 @@ class ToolStreamSplitter:
         self._pending = ""  # content not yet passed on (a possible marker start)
         self._held: str | None = None  # the text from the start of a call
         self._calls = 0  # calls already sent
+        self._seen: set[tuple[str, str]] = set()  # their names and arguments (a repeat is not sent again)
 
     def push(self, delta: str) -> tuple[str, tuple[ToolCall, ...]]:
         """The content that became certain, and the calls that did."""
@@ -287,7 +327,7 @@ class ToolStreamSplitter:
             found = _json_calls(held[len(HERMES_OPEN) : end])
             if not found:
                 break
-            calls += [ToolCall(c.name, c.arguments, new_call_id()) for c in found]
+            calls += [ToolCall(c.name, c.arguments, new_call_id()) for c in _distinct(found, self._seen)]
             self._held = held[end + len(HERMES_CLOSE) :]
         self._calls += len(calls)
         return tuple(calls)
@@ -296,17 +336,21 @@ class ToolStreamSplitter:
         self._sent += text
         return text
 
-    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
-        """The last content delta and the last calls once the stream has ended."""
+    def finish(self, cut: bool = False) -> tuple[str, tuple[ToolCall, ...]]:
+        """The last content delta and the last calls once the stream has ended (``cut``: by ``max_tokens``,
+        so an unfinished call at the end is dropped, not passed on as text)."""
         held, self._held = self._held, None
         if held is None:
             rest, self._pending = self._pending, ""
-            return self._emit(rest), ()
+            return self._emit(drop_cut_call(self._parser, rest) if cut else rest), ()
+        if cut:
+            held = drop_cut_call(self._parser, held)
         parsed = parse_tool_calls(self._parser, held) if held.strip() else ParsedOutput(None, ())
-        self._calls += len(parsed.calls)
+        calls = tuple(_distinct(list(parsed.calls), self._seen))
+        self._calls += len(calls)
         if not parsed.calls:
             return (self._emit(held) if held.strip() or not self._calls else ""), ()
-        return self._emit(parsed.content or ""), parsed.calls
+        return self._emit(parsed.content or ""), calls
 
     @property
     def calls_sent(self) -> int:

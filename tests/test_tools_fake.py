@@ -16,9 +16,12 @@ import openai
 import pytest
 from tasks_helpers import assert_error, sse_events
 
+from modelserver.api.toolplan import chat_plan
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeTextGenerator
+from modelserver.protocol import ChatCompletionRequest
 from modelserver.spec import build_model_spec
+from modelserver.structured import ToolGrammar
 
 WEATHER = {
     "type": "object",
@@ -71,6 +74,39 @@ async def test_named_tool_choice_calls_that_function(sdk: openai.AsyncOpenAI) ->
     answer = await sdk.chat.completions.create(model="fake", messages=ASK, tools=TOOLS, tool_choice=named)
     calls = answer.choices[0].message.tool_calls or []
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {})]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "extra", "mode"),
+    [
+        ("required", {}, "one"),  # the default parallel_tool_calls does not let a weak model loop
+        ("required", {"parallel_tool_calls": False}, "one"),
+        ("required", {"parallel_tool_calls": True}, "many"),  # asked for explicitly: one or more
+        ({"type": "function", "function": {"name": "get_time"}}, {"parallel_tool_calls": True}, "one"),
+        ({"type": "function", "function": {"name": "get_time"}}, {}, "one"),
+    ],
+)
+def test_forced_tool_choice_is_one_call_unless_parallel_calls_are_asked_for(
+    tool_choice: Any, extra: dict[str, Any], mode: str
+) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, "tool_choice": tool_choice, **extra})
+    _, constraint, parse = chat_plan(body, "hermes")
+    assert isinstance(constraint, ToolGrammar) and constraint.mode == mode and parse
+    if isinstance(tool_choice, dict):
+        assert [t.name for t in constraint.tags] == ["get_time"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 4])
+async def test_a_call_cut_by_max_tokens_leaves_no_fragment_in_content(http: httpx.AsyncClient, max_tokens: int) -> None:
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": max_tokens}
+    whole = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert whole["finish_reason"] == "length" and not whole["message"].get("tool_calls")
+    assert not whole["message"]["content"]
+    streamed = sse_events((await http.post("/v1/chat/completions", json={**body, "stream": True})).text)
+    deltas = [c["delta"] for e in streamed for c in e["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert not any(d.get("tool_calls") for d in deltas)
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_auto_calls_only_on_the_tool_marker(sdk: openai.AsyncOpenAI) -> None:

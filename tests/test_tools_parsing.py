@@ -21,6 +21,7 @@ from modelserver.structured import (
 from modelserver.tools import (
     ToolStreamSplitter,
     detect_parser,
+    drop_cut_call,
     mistral_call_ids,
     parse_tool_calls,
     template_takes_tools,
@@ -104,6 +105,49 @@ def test_splitter_passes_text_and_holds_a_marker_split_across_deltas() -> None:
 def test_splitter_holds_an_answer_that_opens_with_json_and_releases_it_when_it_is_no_call() -> None:
     assert split("llama3_json", ['{"name": "f",', ' "parameters": {}}']) == ("", ["f"])
     assert split("hermes", ['{"a":', " 1}"]) == ('{"a": 1}', [])
+
+
+CALL_F = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+def test_identical_calls_in_one_answer_collapse_to_one() -> None:
+    text = "\n".join([CALL_F, CALL_F, '<tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>', CALL_F])
+    assert calls_of("hermes", text) == [("f", {"a": 1}), ("f", {"a": 2})]
+    assert calls_of("llama3_json", '{"name": "g", "parameters": {}}; {"name": "g", "parameters": {}}') == [("g", {})]
+    # streamed: a repeat is not sent again, whether it closes mid-stream or at the end
+    assert split("hermes", [CALL_F, "\n" + CALL_F, '\n<tool_call>{"name": "f", "arguments": {"a": 1}}']) == (
+        "", ["f"])
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "kept"),
+    [
+        ("hermes", CALL_F + "\n<tool", CALL_F + "\n"),
+        ("hermes", CALL_F + '\n<tool_call>\n{"name": "f", "argu', CALL_F + "\n"),
+        ("hermes", 'Sure. <tool_call>\n{"name": "f", "arguments": {"a"', "Sure. "),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}', '<tool_call>\n{"name": "f", "arguments": {}}'),
+        ("hermes", "A plain answer cut short", "A plain answer cut short"),
+        ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "param', '{"name": "f", "parameters": {}}'),
+        ("llama3_json", '{"name": "f", "parameters": {"x": "a;b"', ""),
+        ("llama3_json", '<|python_tag|>{"name": "f", "para', ""),
+        ("mistral", 'Ok [TOOL_CALLS][{"name": "f", "arguments": {', "Ok "),
+        ("pythonic", '[{"name": "f", "arguments": {"a": [1', ""),
+        ("hermes", '{"a": 1, "b": [1, 2', '{"a": 1, "b": [1, 2'),  # JSON that is no call stays
+    ],
+)
+def test_a_call_cut_by_max_tokens_is_dropped_and_complete_ones_stay(parser: str, text: str, kept: str) -> None:
+    assert drop_cut_call(parser, text) == kept
+
+
+def test_splitter_drops_a_cut_call_at_a_length_cut() -> None:
+    for deltas in ([CALL_F, "\n<tool"], [CALL_F, '\n<tool_call>\n{"name": "f"'], ["Hi <tool"]):
+        splitter = ToolStreamSplitter("hermes")
+        text, names = "", []
+        for step in [*(splitter.push(d) for d in deltas), splitter.finish(cut=True)]:
+            text += step[0]
+            names += [c.name for c in step[1]]
+        assert "<tool" not in text and "{" not in text
+        assert names == (["f"] if len(deltas) == 2 else [])
 
 
 def test_template_detection() -> None:

@@ -116,7 +116,8 @@ def test_named_tool_choice_streams_a_call_the_sdk_assembles(qwen: ModelServerPro
 def test_parallel_required_calls_are_each_valid(qwen: ModelServerProcess) -> None:
     with sdk(qwen) as client:
         answer = client.chat.completions.create(
-            model="qwen", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=11, max_tokens=400,
+            model="qwen", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, temperature=1.0,
+            seed=11, max_tokens=400,
         )
     choice = answer.choices[0]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -197,6 +198,28 @@ def test_smollm2_without_template_tools_gets_them_in_a_system_message(smollm2: M
     assert_valid_call(calls[0], {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS})
     assert answer.usage is not None and plain.usage is not None
     assert answer.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools were described to the model
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_with_default_parallel_is_one_call_on_smollm2(smollm2: ModelServerProcess, stream: bool) -> None:
+    """``required`` (LangChain's ``tool_choice="any"``) without ``parallel_tool_calls``: one call, then the end
+    (it used to repeat the call until ``max_tokens``)."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    with sdk(smollm2) as client:
+        if stream:
+            with client.chat.completions.stream(
+                model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=256,
+            ) as events:
+                answer = events.get_final_completion()
+        else:
+            answer = client.chat.completions.create(
+                model="smollm2", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=256,
+            )
+    choice = answer.choices[0]
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == "tool_calls" and len(calls) == 1
+    assert_valid_call(calls[0], schemas)
+    assert "<tool" not in (choice.message.content or "")
 
 
 def test_logprobs_are_one_per_generated_token(qwen: ModelServerProcess) -> None:

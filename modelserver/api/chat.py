@@ -55,7 +55,7 @@ from modelserver.protocol import (
     usage,
 )
 from modelserver.textstream import StopMatcher
-from modelserver.tools import ToolCall, ToolStreamSplitter, parse_tool_calls
+from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
 __all__ = ["Run", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
 
@@ -240,7 +240,7 @@ async def _collect(run: Run, index: int, parser: str | None, logprobs: bool) -> 
     entries = logprob_entries(run.stream) if logprobs else None
     if parser is None:
         return Choice(index, text, finish, logprobs=entries)
-    parsed = parse_tool_calls(parser, text)
+    parsed = parse_tool_calls(parser, drop_cut_call(parser, text) if finish == "length" else text)
     calls = [call.as_openai() for call in parsed.calls]
     return Choice(index, parsed.content, _tool_finish(finish, bool(calls)), calls, entries)
 
@@ -263,7 +263,7 @@ async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
         async for delta in run.deltas():
             for event in _split(shape, splitter, index, *splitter.push(delta)):
                 yield event
-        for event in _split(shape, splitter, index, *splitter.finish()):
+        for event in _split(shape, splitter, index, *splitter.finish(cut=run.finish == "length")):
             yield event
         calls_sent = splitter.calls_sent
     finish = _tool_finish(run.finish or "stop", calls_sent > 0)

@@ -1,7 +1,8 @@
 """What a chat request asks of the output: the tools to offer, the constraint to decode under, the parsing.
 
 ``tool_choice`` ``required`` or a named function become a forced call
-(:func:`~modelserver.structured.tool_call_grammar`), ``auto`` with strict tools a triggered
+(:func:`~modelserver.structured.tool_call_grammar`; exactly one, or one or more for ``required``
+with an explicit ``parallel_tool_calls: true``), ``auto`` with strict tools a triggered
 one (Hermes only), and ``response_format`` / ``guided_*`` a grammar; what XGrammar would
 refuse is a 400 here, before it reaches the pipeline.
 """
@@ -77,6 +78,9 @@ def chat_plan(body: ChatCompletionRequest, parser: str) -> tuple[tuple[dict[str,
             strict = strict_tools_grammar(parser, functions, body.parallel_tool_calls)
             return tools, _output_constraint(body) or strict, True
         forced = functions if mode == "required" else [f for f in functions if f["name"] == mode]
-        return tools, tool_call_grammar(parser, forced, body.parallel_tool_calls and mode == "required"), True
+        # one call unless the client asked for several: the default `true` lets a weak model repeat its
+        # call until max_tokens (a named function is always exactly one call)
+        parallel = mode == "required" and body.parallel_tool_calls and "parallel_tool_calls" in body.model_fields_set
+        return tools, tool_call_grammar(parser, forced, parallel), True
     except GrammarError as exc:
         raise RequestError(f"tools: a function's parameters: {exc}", param="tools") from None
