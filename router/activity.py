@@ -302,9 +302,13 @@ class _Watcher:
             raise exc
         self._ended = True
         if self._sse or self.feedback is not None:
-            await self.send({"type": "http.response.body", "body": error_event(exc), "more_body": True})
+            await self.send({"type": "http.response.body", "body": error_event(exc) + DONE, "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})
         return exc.status
+
+
+#: The end of an OpenAI stream, after its error event too (as a mid-stream failure ends).
+DONE = b"data: [DONE]\n\n"
 
 
 def error_event(exc: RouterError) -> bytes:

@@ -132,5 +132,5 @@ class Feedback:
             error = {"message": self._buffer[:500].decode("utf-8", "replace"), "type": "server_error",
                      "param": None, "code": "backend_error"}
         await self.send({"type": "http.response.body", "body": b"data: " + json.dumps({"error": error}).encode()
-                         + b"\n\n", "more_body": True})
+                         + b"\n\ndata: [DONE]\n\n", "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})

@@ -76,7 +76,7 @@ async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc:
     if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
         error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
                            "param": None, "code": "backend_error"}}
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\n".encode(),
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(),
                     "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 

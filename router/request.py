@@ -37,6 +37,16 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+#: The tasks whose model server answers each OpenAI route (modelserver/tasks.py's TASK_ROUTES, inverted).
+ENDPOINT_TASKS: dict[str, tuple[str, ...]] = {
+    "/v1/chat/completions": ("llm", "vlm"),
+    "/v1/completions": ("llm", "vlm"),
+    "/v1/embeddings": ("embeddings",),
+    "/v1/rerank": ("rerank",),
+    "/v1/audio/speech": ("speech",),
+    "/v1/audio/transcriptions": ("transcription",),
+    "/v1/audio/translations": ("transcription",),
+}
 #: Request headers the router owns: the client's key is for the router, not the backend.
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 
@@ -96,6 +106,11 @@ async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[M
         raise unknown_model(routed.model, registry.models)
     if len(body) > model.spec.max_request_bytes:
         raise too_large(model.spec.max_request_bytes, f"request body for model {model.spec.name!r}")
+    tasks = ENDPOINT_TASKS.get(scope["path"])
+    if tasks and model.spec.launches_modelserver and model.spec.task not in tasks:  # no cold start for a 404
+        serving = sorted(name for name, m in registry.models.items() if m.spec.task in tasks)
+        raise BadRequest(f"model {model.spec.name!r} has task {model.spec.task}; {scope['path']} needs task "
+                         f"{' or '.join(tasks)} (models: {', '.join(serving) or 'none configured'})", param="model")
     headers = upstream_headers(scope["headers"], client_of(scope))
     path = scope["path"] + _query(scope)
     return model, ProxyRequest(scope["method"], path, headers, body, retryable=not routed.stream)

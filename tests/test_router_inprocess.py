@@ -233,6 +233,7 @@ async def test_silence_mid_stream_ends_it_with_an_error_event(tmp_path: Path) ->
         reply = await r.post("/v1/chat/completions", chat("echo", stream=True))
         assert reply.status == 200 and reply.chunks[0] == b"data: one\n\n"
         assert b"stream_idle_timeout_s=0.05s" in reply.body and b'"code": "backend_error"' in reply.body
+        assert reply.body.endswith(b"\n\ndata: [DONE]\n\n")
         assert r.upstream.replies[0].closed
 
 
@@ -344,3 +345,24 @@ async def test_the_loading_ticker_stops_once_the_model_is_ready(tmp_path: Path,
         answer.set()
         reply = await asyncio.wait_for(request, 10)
         assert reply.status == 200 and reply.body.endswith(b"data: one\n\ndata: [DONE]\n\n")
+
+
+async def test_an_endpoint_of_another_task_is_a_400_naming_the_task_and_starts_nothing(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model(), "emb": model(task="embeddings")}) as r:
+        reply = await r.post("/v1/embeddings", {"model": "echo", "input": "hi"})
+        assert reply.status == 400, reply.body
+        error = reply.json()["error"]
+        assert error["param"] == "model" and "'echo' has task llm" in error["message"], error
+        assert "/v1/embeddings needs task embeddings (models: emb)" in error["message"], error
+        assert r.upstream.calls == [] and r.backend("echo").state is State.STOPPED
+
+
+def test_the_routers_endpoint_tasks_match_what_each_task_serves() -> None:
+    from modelserver.tasks import TASK_ROUTES
+    from router.request import ENDPOINT_TASKS
+
+    served = {(route.path, task) for task, routes in TASK_ROUTES.items() for route in routes}  # type: ignore[attr-defined]
+    wanted = {(path, task) for path, tasks in ENDPOINT_TASKS.items() for task in tasks}
+    assert wanted == {(path, task) for path, task in served if path in ENDPOINT_TASKS}
+    assert set(ENDPOINT_TASKS) >= {path for path, _ in served if path.startswith("/v1/")}
+

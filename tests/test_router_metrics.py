@@ -123,8 +123,9 @@ async def test_a_failed_start_after_the_head_is_one_error_event(tmp_path: Path) 
     async with running_router(config) as router:
         lines = await _sse_lines(router.client, {**CHAT, "stream": True})
         assert lines[0].startswith(": loading m ")
-        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
         assert len(errors) == 1 and "no such weights" in errors[0]["error"]["message"]
+        assert [line for line in lines if line][-1] == "data: [DONE]", lines  # as a stream failing mid-way ends
 
 
 async def test_api_events_streams_state_changes_and_finished_requests(tmp_path: Path) -> None:
