@@ -307,6 +307,8 @@ class EmbeddingRequest(_Request):
     @classmethod
     def _input_shape(cls, value: Any) -> Any:
         if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(s, str) for s in value)):
+            if value == "" or (isinstance(value, list) and "" in value):
+                raise ValueError("must not be empty: an empty string has no embedding; send some text")
             return value
         raise ValueError(TOKEN_ARRAYS if _token_ids(value) else "must be a string or a non-empty list of strings")
 

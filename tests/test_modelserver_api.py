@@ -355,6 +355,8 @@ async def test_embeddings_float_and_base64_agree_and_are_deterministic(embedder:
     [
         ({}, "input"),
         ({"input": []}, "input"),
+        ({"input": ""}, "input: must not be empty"),
+        ({"input": ["a", ""]}, "input: must not be empty"),
         ({"input": [1, 2]}, "check_embedding_ctx_length=False"),
         ({"input": [[15339, 1917]]}, "token-id arrays are not supported: send the text"),
         ({"input": "x", "dimensions": 8}, "dimensions"),
