@@ -118,7 +118,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"serve": _serve, "check": _check, "status": _status}[args.command]
-    return handler(args)
+    try:
+        code = handler(args)
+        sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
+    except BrokenPipeError:  # `ovrouter status --json | head`: the reader has gone; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return 1
+    return code
 
 
 if __name__ == "__main__":
