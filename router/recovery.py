@@ -26,7 +26,7 @@ from typing import Any, cast
 from starlette.types import Send
 
 from procman import Backend, BackendUnavailable, Lease
-from router.blame import Cause, Death, verdict
+from router.blame import Cause, Death, external, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
@@ -193,8 +193,9 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         return None
     if restart is not None:
         _background(restart)
+    if choice == "blame" or (job.tries and not external(death)):  # a second death: a suspect's (maybe a
+        backend.forgive(job.deaths)  # neighbour's) doing, not the model's: no failure toward the backoff
     if choice == "blame":
-        backend.forgive(job.deaths)  # its doing, not the model's: no failure toward the backoff
         log.warning("%s: the request is the likely cause of its process's death (%s: %s); not sent again",
                     job.name, death.cause, detail)
         return await _fail(job, RequestCrashedModel(_blame_message(job, death)))

@@ -293,3 +293,5 @@ async def test_clean_requests_beside_a_poison_one_are_never_named_the_cause(tmp_
         for answer in answers:  # retried once; a second shared death is no proof against them
             assert answer.status_code == 200 or answer.json()["error"]["code"] != "request_crashed_model", answer.text
         assert backend.restarts <= 2  # the poison request was sent twice at most
+        await wait_for(lambda: backend.state.value == "ready")
+        assert backend.failures == 0  # a poison request's deaths push the model toward no backoff
