@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -62,7 +60,6 @@ class Job:
     send: Send
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
-    suspect: bool = False  # its last death was shared: its retry runs alone (a neighbour may be the poison)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
     backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
@@ -92,10 +89,9 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
     async with model.limiter:
         while True:
             try:
-                async with _turn(job.name, job.suspect):
-                    job.backend = model.backend
-                    async with job.backend.request() as lease:
-                        result = await _attempt(job, lease)
+                job.backend = model.backend
+                async with job.backend.request() as lease:
+                    result = await _attempt(job, lease)
             except BackendUnavailable as exc:
                 if job.backend is not model.backend:
                     continue  # a rolling change replaced (closed) it while this request waited: the new one
@@ -190,7 +186,6 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
     if choice == "again" and job.tries < job.budget() and _prepare_again(job):
         job.tries += 1
-        job.suspect = death.in_flight > 1 and not external(death)
         log.warning("%s: the process died under a request (%s: %s); %s on a fresh process", job.name, death.cause,
                     detail, "resuming the stream" if job.head_sent else "retrying once")
         if restart is not None:
@@ -209,57 +204,6 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
             f"model {job.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
             retry_after_s=2.0))
     return await _fail(job, BadGateway(_death_message(job, death)))
-
-
-class _Gate:
-    """Per model: the retries of requests caught together in a death (suspects) run alone on the fresh
-    process, one at a time, so that a poison request among them takes down no neighbour and is the one named
-    (its second death is its own). New requests wait while a suspect waits or runs (one request's time)."""
-
-    __slots__ = ("changed", "running", "suspect", "waiting")
-
-    def __init__(self) -> None:
-        self.changed, self.running, self.suspect, self.waiting = asyncio.Event(), 0, False, 0
-
-    def poke(self, name: str) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-        if not (self.running or self.suspect or self.waiting) and _GATES.get(name) is self:
-            del _GATES[name]  # nothing in it: no gate outlives its event loop
-
-
-_GATES: dict[str, _Gate] = {}
-
-
-@asynccontextmanager
-async def _turn(name: str, suspect: bool) -> AsyncIterator[None]:
-    """Hold ``name``'s gate for one attempt: alone when ``suspect``, else beside other ordinary requests."""
-    if not suspect:
-        while (gate := _GATES.setdefault(name, _Gate())).suspect or gate.waiting:
-            await gate.changed.wait()
-        gate.running += 1
-        try:
-            yield
-        finally:
-            gate.running -= 1
-            gate.poke(name)
-        return
-    gate = _GATES.setdefault(name, _Gate())
-    gate.waiting += 1
-    try:
-        while gate.suspect or gate.running:
-            await gate.changed.wait()
-    except BaseException:  # cancelled: the requests held behind it go on
-        gate.waiting -= 1
-        gate.poke(name)
-        raise
-    gate.waiting -= 1
-    gate.suspect = True
-    try:
-        yield
-    finally:
-        gate.suspect = False
-        gate.poke(name)
 
 
 def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:
