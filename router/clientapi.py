@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from procman import BackendUnavailable, State
-from router.errors import BadRequest, ModelNotFound, ServiceUnavailable, unavailable
+from router.errors import BadRequest, ModelNotFound, unavailable
 from router.events import Subscription
 from router.modelstatus import KIND, MODALITIES, StatusBus
 from router.registry import Model
@@ -108,10 +108,9 @@ class ClientApi:
         began = self.bus.changed(model.spec.name)
         task = self._spawn(self._ensure_ready(model), f"load {model.spec.name}")
         await asyncio.wait({task, began}, timeout=BEGIN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-        if task.done() and task.result() is not None:
-            exc = task.result()
-            raise ServiceUnavailable(f"model {model.spec.name!r} cannot load now: {_one_line(exc.reason)}; its log: "
-                                     f"GET /api/models/{model.spec.name}/logs", retry_after_s=exc.retry_after_s)
+        failed = task.result() if task.done() else None
+        if failed is not None:
+            raise unavailable(model.spec.name, failed, "cannot load now")
         return JSONResponse({"success": True})
 
     async def unload(self, request: Request) -> Response:
@@ -179,12 +178,6 @@ class ClientApi:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.bus.close()
-
-
-def _one_line(reason: str) -> str:
-    """A start failure's reason without the log tail procman appends (client messages are one line)."""
-    line = reason.split("; last log lines", 1)[0].splitlines()[0] if reason else "unknown reason"
-    return line + ")" * max(0, line.count("(") - line.count(")"))
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -73,7 +73,8 @@ def client_of(scope: Scope) -> str | None:
 
 
 def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list[tuple[str, str]]:
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in REQUEST_DROP]
+    named = ((k.decode("latin-1"), v) for k, v in raw)
+    headers = [(key, v.decode("latin-1")) for key, v in named if key not in REQUEST_DROP]
     if client:
         headers.append(("x-forwarded-for", client))
     return headers
