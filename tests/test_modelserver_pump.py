@@ -29,11 +29,15 @@ class Output:
 
 @dataclass
 class ScriptedHandle:
-    """Emits one scripted token per step; ends with ``finish`` (or IGNORED) after the last one."""
+    """Emits one scripted token per step; ends with ``finish`` (or IGNORED) after the last one.
+
+    An ``endless`` handle repeats its tokens forever: only a cancel ends it, however fast the pump steps.
+    """
 
     tokens: list[int]
     finish: Any = ov_genai.GenerationFinishReason.LENGTH
     ignored: bool = False
+    endless: bool = False
     pending: list[int] = field(default_factory=list)
     status: Any = RUNNING
     cancelled: bool = False
@@ -44,7 +48,10 @@ class ScriptedHandle:
         if self.ignored:
             self.status = IGNORED
             return
-        self.pending.append(self.tokens.pop(0))
+        token = self.tokens.pop(0)
+        self.pending.append(token)
+        if self.endless:
+            self.tokens.append(token)
         if not self.tokens:
             self.status = FINISHED
 
@@ -134,7 +141,7 @@ async def test_two_requests_are_stepped_together_and_finish_with_their_reasons(
 
 
 async def test_closing_a_stream_cancels_its_handle(pump: Pump, pipeline: ScriptedPipeline) -> None:
-    handle = ScriptedHandle(list(range(1, 27)) * 100)
+    handle = ScriptedHandle(list(range(1, 27)), endless=True)  # a scripted pump steps in microseconds
     stream = start(pump, pipeline, 1, handle)
     pump.start()
     iterator = aiter(stream)
