@@ -101,10 +101,10 @@ class ClientApi:
             what = "loading" if model.backend.state is State.STARTING else "loaded"
             raise BadRequest(f"model {model.spec.name!r} is already {what}; see its status in GET /models",
                              param="model")
-        never = self.service.never_fits(model)  # refused a moment after STARTING: say so, not success
-        if never is not None:
+        refused = self.service.refusal(model)  # refused a moment after STARTING: say so, not success
+        if refused is not None:
             self.bus.refused(model)
-            raise unavailable(model.spec.name, never, "cannot load")
+            raise unavailable(model.spec.name, refused, "cannot load")
         began = self.bus.changed(model.spec.name)
         task = self._spawn(self._ensure_ready(model), f"load {model.spec.name}")
         await asyncio.wait({task, began}, timeout=BEGIN_WAIT_S, return_when=asyncio.FIRST_COMPLETED)

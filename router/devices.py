@@ -145,11 +145,16 @@ class DeviceGuard:
         if mark is not None:
             log.error("%s", mark.message())
 
-    async def before_start(self, backend: Backend) -> None:
-        device = self._device(backend.name)
+    def refusal(self, name: str) -> str | None:
+        """Why a start of model ``name`` is refused now (its device is unhealthy), else None."""
+        device = self._device(name)
         mark = self.health.unhealthy(device) if device is not None else None
-        if mark is not None:
-            raise BackendUnavailable(mark.message())
+        return mark.message() if mark is not None else None
+
+    async def before_start(self, backend: Backend) -> None:
+        refused = self.refusal(backend.name)
+        if refused is not None:
+            raise BackendUnavailable(refused)
         if self._start_hook is not None:
             await self._start_hook(backend)
 

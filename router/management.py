@@ -50,9 +50,9 @@ def management_routes(service: RouterService) -> list[Route]:
     async def load(request: Request) -> Response:
         model = _model(service, request)
         try:
-            never = service.never_fits(model) if model.backend.state is not State.READY else None
-            if never is not None:
-                raise never
+            refused = service.refusal(model) if model.backend.state is not State.READY else None
+            if refused is not None:
+                raise refused
             await model.backend.ensure_ready()
         except BackendUnavailable as exc:
             raise unavailable(model.spec.name, exc, "failed to load") from None

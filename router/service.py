@@ -133,16 +133,18 @@ class RouterService:
         log.warning("router.%s changed: restart the router to apply it", ", router.".join(kept))
         return Config(router=new.router.model_copy(update=kept), models=new.models, groups=new.groups, path=new.path)
 
-    def never_fits(self, model: Any) -> BackendUnavailable | None:
-        """The error of a start of ``model`` its device's ``memory_budget`` can never hold (procman refuses it a
-        moment after STARTING, with no ``last_error``), recorded as its ``last_error``; else None."""
+    def refusal(self, model: Any) -> BackendUnavailable | None:
+        """Why a start of ``model`` would be refused a moment after STARTING — its device is unhealthy, or its
+        device's ``memory_budget`` can never hold it — recorded as its ``last_error``; else None.
+
+        Load requests ask first, so they answer the refusal instead of a success that turns into ``failed``."""
         if model.backend.spec.remote:
             return None
-        never = self.registry.manager.place(model.spec.name).never
-        if never is None:
+        reason = self.devices.refusal(model.spec.name) or self.registry.manager.place(model.spec.name).never
+        if reason is None:
             return None
-        model.backend.last_error = never
-        return BackendUnavailable(never)
+        model.backend.last_error = reason
+        return BackendUnavailable(reason)
 
     def models_table(self) -> list[dict[str, Any]]:
         rows = []

@@ -224,6 +224,10 @@ async def test_fatal_errors_in_three_models_on_one_device_mark_it_unhealthy_unti
         refused = await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "d"})
         message = refused.json()["error"]["message"]
         assert refused.status_code == 503 and "GPU.7" in message and "driver reload or reboot" in message
+        load = await router.client.post("/models/load", json={"model": "d"})  # llama.cpp's API: a 503, not success
+        assert load.status_code == 503 and "GPU.7" in load.json()["error"]["message"], load.text
+        listed = (await router.client.get("/models")).json()["data"]
+        assert next(m for m in listed if m["id"] == "d")["status"]["value"] == "failed"
         on_cpu = await router.client.post("/v1/chat/completions", json={**chat("hi"), "model": "cpu"})
         assert on_cpu.status_code == 200  # other devices are not affected
         status = (await router.client.get("/api/status")).json()
