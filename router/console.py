@@ -22,19 +22,19 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from procman import Backend, State
 from router.activity import Activity
+from router.budget import process_memory_bytes
 from router.events import EventBus
 from router.metrics import BACKEND_GAUGES
 
 if TYPE_CHECKING:
     from router.service import RouterService
 
-__all__ = ["Console", "read_rss_bytes"]
+__all__ = ["Console"]
 
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -42,20 +42,6 @@ log = logging.getLogger(__name__)
 
 LOADING_TICK_S = 1.0
 HEALTH_TIMEOUT_S = 2.0
-
-
-def read_rss_bytes(pid: int | None) -> int | None:
-    """Resident memory of ``pid`` from ``/proc/<pid>/status`` (None off Linux or once it is gone)."""
-    if not pid:
-        return None
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return None
 
 
 class Console:
@@ -181,7 +167,7 @@ class Console:
         """What the dashboard shows of one model beyond the models table's row."""
         now = time.time()
         pid = row.get("pid")
-        rss = read_rss_bytes(pid) if pid else None
+        rss = process_memory_bytes(pid) if pid else None
         started = row.get("started_at")
         stats = self.activity.stats.get(name)
         figures: dict[str, Any] = {
@@ -208,7 +194,7 @@ class Console:
                                if m.spec.launches_modelserver and m.backend.state is State.READY))
         metrics = self.service.metrics
         for name, model in models.items():
-            rss = read_rss_bytes(model.backend.pid) if model.backend.state is not State.STOPPED else None
+            rss = process_memory_bytes(model.backend.pid) if model.backend.state is not State.STOPPED else None
             metrics.rss.labels(name).set(rss or 0)
             reported = self.reported.get(name, {})
             for key, gauge in metrics.backend.items():

@@ -17,12 +17,11 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from modelserver.spec import ModelSpec
 from procman import Backend, HttpProber, State
-from router.budget import budget_device, physical_memory_bytes, resolve_budget
+from router.budget import budget_device, physical_memory_bytes, process_memory_bytes, resolve_budget
 from router.sizes import SizeStore
 
 __all__ = ["SAMPLE_INTERVAL_S", "MemoryWatch", "budgets_now", "peak_rss_of"]
@@ -38,15 +37,7 @@ Loaded = Callable[[], Iterable[tuple[ModelSpec, Backend]]]
 
 def peak_rss_of(pid: int | None) -> int | None:
     """``VmHWM`` of ``pid`` (bytes), None off Linux or once it is gone."""
-    if not pid:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return process_memory_bytes(pid, "VmHWM")
 
 
 def budgets_now(setting: Any, specs: Iterable[ModelSpec], store: SizeStore) -> dict[str, int]:
