@@ -506,7 +506,9 @@ class Backend:
             return
         if effect.reason in ("crash", "fatal") and running is not None and running.exited.done():
             tail = self.logs.since(running.log_mark, 5)
-            error = f"{self.name} pid={pid} exited unexpectedly with code {running.exit_code}"
+            code = running.exit_code
+            killed = f" ({process.signal_name(code)})" if code is not None and code < 0 else ""
+            error = f"{self.name} pid={pid} exited unexpectedly with code {code}{killed}"
             log.warning("%s", error)
             self.last_error = error + ("; last log lines:\n" + "\n".join(tail) if tail else "")
             return
@@ -527,7 +529,10 @@ class Backend:
         log.info("%s spec updated", self.name)
 
     def _give_up(self, effect: m.GiveUp, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
-        log.warning("%s gave up after %d failed starts", self.name, self.counters.failures)
+        c = self.counters
+        log.warning("%s: no more automatic relaunches after %d failures in a row (crashes, fatal errors, hangs or "
+                    "failed starts; the last: %s); the next request starts it again once the backoff is over",
+                    self.name, c.failures, c.reason or "unknown")
 
     def _follow_up(self, effect: m.FollowUp, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         self._apply(effect.event, None)
