@@ -41,9 +41,14 @@ def _restarts(row: dict[str, Any]) -> str:
     return f"{total} " + ",".join(f"{k}:{v}" for k, v in sorted(reasons.items()))
 
 
+#: The last reasons a model's ``last_error`` belongs to; after any other (a clean start or stop) it is history.
+FAULT_REASONS = ("failed start:", "restart:crash", "restart:fatal", "restart:hang")
+
+
 def _last(row: dict[str, Any]) -> str:
-    error = (row.get("last_error") or "").split("\n", 1)[0]
+    """The last reason, with the error only when that reason was the fault (never a stale one after an unload)."""
     reason = row.get("last_reason") or ""
+    error = (row.get("last_error") or "").split("\n", 1)[0] if not reason or reason.startswith(FAULT_REASONS) else ""
     return (f"{reason}: {error}" if reason and error else error or reason)[:70]
 
 
