@@ -1,4 +1,4 @@
-"""Asking a backend whether it is ready: one ``GET <health_path>``, 200 or not.
+"""Asking a backend whether it is ready: one ``GET <health_path>`` (or ``HEAD``), 200 or not.
 
 The real prober speaks just enough HTTP/1.1 over an asyncio stream (Unix socket or TCP,
 TLS for an ``https`` remote) to read the status line; it needs no client session to keep
@@ -26,15 +26,15 @@ MAX_BODY_BYTES = 65536
 class Prober(Protocol):
     """Health checks; must never raise for an unhealthy or unreachable backend, only return False."""
 
-    async def probe(self, address: Address, path: str, timeout_s: float) -> bool: ...
+    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool: ...
 
 
 class HttpProber:
-    """``GET path`` on the backend; True only for a 200 within ``timeout_s``."""
+    """``GET path`` (or ``HEAD``) on the backend; True only for a 200 within ``timeout_s``."""
 
-    async def probe(self, address: Address, path: str, timeout_s: float) -> bool:
+    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
         try:
-            status = await asyncio.wait_for(self.status(address, path), timeout_s)
+            status = (await asyncio.wait_for(self._fetch(address, path, method), timeout_s))[0]
         except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             log.debug("probe %s%s failed: %s", address, path, exc or type(exc).__name__)
             return False
@@ -48,14 +48,15 @@ class HttpProber:
         """(status, body) of ``GET path`` (body up to MAX_BODY_BYTES); raises OSError/ValueError/TimeoutError."""
         return await asyncio.wait_for(self._fetch(address, path), timeout_s)
 
-    async def _fetch(self, address: Address, path: str) -> tuple[int, bytes]:
+    async def _fetch(self, address: Address, path: str, method: str = "GET") -> tuple[int, bytes]:
         reader, writer, host, prefix = await _connect(address)
         try:
-            request = f"GET {prefix}{path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: procman\r\nConnection: close\r\n\r\n"
-            writer.write(request.encode("latin-1"))
+            head = f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\n"
+            writer.write((head + "User-Agent: procman\r\nConnection: close\r\n\r\n").encode("latin-1"))
             await writer.drain()
             status = _status_of(await reader.readline())
-            return status, await _skip_rest(reader)  # read the answer before closing: no reset for the server
+            body = await _skip_rest(reader, has_body=method != "HEAD")  # read the answer before closing: no reset
+            return status, body
         finally:
             writer.close()
             with contextlib.suppress(OSError):
@@ -69,14 +70,14 @@ def _status_of(line: bytes) -> int:
     return int(parts[1])
 
 
-async def _skip_rest(reader: asyncio.StreamReader) -> bytes:
-    """Read the headers and the body (up to MAX_BODY_BYTES) of an answer; the body."""
+async def _skip_rest(reader: asyncio.StreamReader, has_body: bool = True) -> bytes:
+    """Read the headers and the body (up to MAX_BODY_BYTES; none for a HEAD) of an answer; the body."""
     length = 0
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length" and value.strip().isdigit():
             length = int(value.strip())
-    return await reader.readexactly(min(length, MAX_BODY_BYTES)) if length else b""
+    return await reader.readexactly(min(length, MAX_BODY_BYTES)) if length and has_body else b""
 
 
 async def _connect(address: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str, str]:

@@ -29,10 +29,12 @@ __all__ = [
     "child_command",
     "EXTERNAL_SIGNALS",
     "exit_cause",
+    "exit_words",
     "external_signal",
     "kill",
     "kill_now",
     "launch",
+    "signal_name",
     "terminate",
     "watch",
 ]
@@ -107,7 +109,7 @@ async def launch(rt: Runtime, spec: BackendSpec, logs: LogBuffer, abort: asyncio
 async def _reach_remote(rt: Runtime, spec: BackendSpec) -> Running:
     assert spec.url is not None
     address = Address(kind="tcp", url=spec.url)
-    if not await rt.prober.probe(address, spec.health_path, spec.health_timeout_s):
+    if not await _probe(rt, spec, address, spec.health_timeout_s):
         raise BackendUnavailable(
             f"{spec.name}: remote {address.base_url}{spec.health_path} did not answer 200 within "
             f"{spec.health_timeout_s:g}s; check that the server is up and the url is right"
@@ -150,7 +152,7 @@ async def _wait_ready(rt: Runtime, spec: BackendSpec, running: Running, logs: Lo
         while True:
             remaining = deadline - rt.clock()
             timeout_s = max(min(spec.health_timeout_s, remaining), 0.01)
-            probe = asyncio.ensure_future(rt.prober.probe(running.address, spec.health_path, timeout_s))
+            probe = asyncio.ensure_future(_probe(rt, spec, running.address, timeout_s))
             pending.append(probe)
             await _first((probe, running.exited, aborted))
             _check_alive(spec, running, logs, aborted)
@@ -178,6 +180,13 @@ def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: 
         raise StartFailed(_quote(f"{spec.name} exited with code {code} while starting", tail), code, tail)
     if aborted.done():
         raise Aborted(running)
+
+
+async def _probe(rt: Runtime, spec: BackendSpec, address: Address, timeout_s: float) -> bool:
+    """One health probe with the spec's method (a prober that predates ``method`` still serves GET)."""
+    if spec.health_method == "GET":
+        return await rt.prober.probe(address, spec.health_path, timeout_s)
+    return await rt.prober.probe(address, spec.health_path, timeout_s, method=spec.health_method)
 
 
 def _probe_ok(spec: BackendSpec, probe: asyncio.Future[Any]) -> bool:
@@ -211,6 +220,23 @@ def external_signal(code: int | None) -> bool:
     return code is not None and code < 0 and -code in EXTERNAL_SIGNALS
 
 
+def exit_words(code: int | None) -> str:
+    """How a process ended, for people: ``exited with code 3``, ``was killed by SIGKILL (signal 9)``."""
+    if code is None:
+        return "exited (exit status unknown)"
+    if code >= 0:
+        return f"exited with code {code}"
+    return f"was killed by {signal_name(code)} (signal {-code})"
+
+
+def signal_name(code: int) -> str:
+    """The name of the signal of a negative exit ``code`` (``SIGKILL`` for -9)."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
 def exit_cause(code: int | None, tail: Iterable[str], fatal_patterns: Iterable[str]) -> Literal["fatal", "crash"]:
     """Why a process died on its own: ``fatal`` when it exited non-zero (or by a signal) and one of
     its last lines holds one of ``fatal_patterns`` (ignoring case), else ``crash``."""
@@ -225,13 +251,17 @@ async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Runnin
     """Return as soon as the process exits ("crash") or fails ``health_failures`` probes in a row ("hang").
 
     ``current()`` gives the settings of each round, so a retune applies to the next probe.
+    ``health_interval_s`` 0: no probe while READY (for servers that a probe disturbs), only the exit.
     """
     failed = 0
     while True:
         spec = current()
+        if spec.health_interval_s <= 0:
+            await asyncio.wait({running.exited})  # never cancels it; a retune restarts this watch
+            return "crash"
         if await rt.wait_done(running.exited, spec.health_interval_s):
             return "crash"
-        probe = asyncio.ensure_future(rt.prober.probe(running.address, spec.health_path, spec.health_timeout_s))
+        probe = asyncio.ensure_future(_probe(rt, spec, running.address, spec.health_timeout_s))
         try:
             await _first((probe, running.exited))
         finally:

@@ -68,8 +68,9 @@ class BackendSpec:
     url: str | None = None
     transport: Literal["uds", "tcp"] = "uds"
     health_path: str = "/health"
+    health_method: Literal["GET", "HEAD"] = "GET"
     startup_timeout_s: float = 180.0
-    health_interval_s: float = 10.0
+    health_interval_s: float = 10.0  # 0 = probe only while starting; then only the exit is watched
     health_timeout_s: float = 5.0
     health_failures: int = 3
     stop_timeout_s: float = 10.0
@@ -98,14 +99,16 @@ class BackendSpec:
             yield f"transport: expected 'uds' or 'tcp', got {self.transport!r}"
         if not self.health_path.startswith("/"):
             yield f"health_path must start with '/', got {self.health_path!r}"
+        if self.health_method not in ("GET", "HEAD"):
+            yield f"health_method: expected 'GET' or 'HEAD', got {self.health_method!r}"
         if self.argv is not None and self.transport == "uds" and _uses(self, "${PORT}"):
             yield "argv/env use ${PORT} but transport is 'uds': use ${SOCKET} or transport 'tcp'"
         if self.argv is not None and self.transport == "tcp" and _uses(self, "${SOCKET}"):
             yield "argv/env use ${SOCKET} but transport is 'tcp': use ${PORT} or transport 'uds'"
-        for name in ("startup_timeout_s", "health_interval_s", "health_timeout_s"):
+        for name in ("startup_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 yield f"{name}: expected a number > 0, got {getattr(self, name)!r}"
-        for name in ("stop_timeout_s", "idle_timeout_s", "drain_timeout_s"):
+        for name in ("health_interval_s", "stop_timeout_s", "idle_timeout_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 yield f"{name}: expected a number >= 0, got {getattr(self, name)!r}"
         if self.health_failures < 1:

@@ -156,9 +156,11 @@ class FakeProber:
         self.spawner = spawner
         self.remote: dict[str, bool] = {}
         self.calls: list[tuple[Address, str]] = []
+        self.methods: list[str] = []
 
-    async def probe(self, address: Address, path: str, timeout_s: float) -> bool:
+    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
         self.calls.append((address, path))
+        self.methods.append(method)
         if address.url is not None:
             return self.remote.get(address.url, False)
         return any(p.healthy for p in self.spawner.procs if p.serves(address))

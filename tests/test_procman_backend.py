@@ -660,3 +660,44 @@ async def test_cancelled_request_while_waiting_for_a_start_is_not_counted(h: Har
     h.spawner.last.healthy = True
     await h.clock.advance(1.0)
     assert backend.state is State.READY and backend.in_flight == 0 and backend.is_idle()
+
+
+# -- health probes that do not disturb -----------------------------------------------------
+
+
+async def test_interval_0_probes_while_starting_and_never_once_ready(h: Harness) -> None:
+    backend = h.add(health_interval_s=0.0)
+    await backend.ensure_ready()
+    probes_to_start = len(h.prober.calls)
+    assert probes_to_start >= 1  # readiness is still a probe that answered 200
+    h.spawner.last.healthy = False  # a probe now would fail; three in a row would kill it as hung
+    await h.clock.advance(3600.0)
+    assert len(h.prober.calls) == probes_to_start
+    assert backend.state is State.READY and backend.pid == h.spawner.last.pid and backend.restarts == 0
+
+
+async def test_interval_0_still_notices_an_exit_at_once(h: Harness) -> None:
+    backend = h.add(health_interval_s=0.0)
+    await backend.ensure_ready()
+    first = h.spawner.last
+    first.exit(-signal.SIGKILL)
+    await h.clock.run(backend.ensure_ready())
+    assert backend.pid != first.pid and backend.restarts == 1
+    assert "code -9 (SIGKILL)" in (backend.last_error or "")
+
+
+async def test_a_retune_from_interval_0_starts_probing(h: Harness) -> None:
+    backend = h.add(health_interval_s=0.0)
+    await backend.ensure_ready()
+    before = len(h.prober.calls)
+    await backend.retune(replace(backend.spec, health_interval_s=10.0))
+    await h.clock.advance(10.0)
+    assert len(h.prober.calls) == before + 1
+
+
+async def test_the_probe_uses_the_configured_method_and_path(h: Harness) -> None:
+    backend = h.add(health_method="HEAD", health_path="/v2/health/ready")
+    await backend.ensure_ready()
+    await h.clock.advance(10.0)
+    assert set(h.prober.methods) == {"HEAD"} and len(h.prober.methods) >= 2
+    assert {path for _, path in h.prober.calls} == {"/v2/health/ready"}

@@ -21,7 +21,7 @@ from procman import (
     backoff_delay,
 )
 from procman.address import is_address_clash, short_name
-from procman.process import exit_cause
+from procman.process import exit_cause, exit_words
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,6 +67,8 @@ def test_spec_equality_and_hash_follow_content() -> None:
         ({"argv": ("srv", "--port", "${PORT}")}, r"use \$\{PORT\} but transport is 'uds'"),
         ({"argv": ("srv", "--uds", "${SOCKET}"), "transport": "tcp"}, r"use \$\{SOCKET\} but transport is 'tcp'"),
         ({"argv": ("x",), "health_path": "health"}, "health_path must start with '/'"),
+        ({"argv": ("x",), "health_method": "POST"}, "health_method: expected 'GET' or 'HEAD', got 'POST'"),
+        ({"argv": ("x",), "health_interval_s": -1}, "health_interval_s: expected a number >= 0, got -1"),
         ({"argv": ("x",), "startup_timeout_s": 0}, "startup_timeout_s: expected a number > 0, got 0"),
         ({"argv": ("x",), "idle_timeout_s": -1}, "idle_timeout_s: expected a number >= 0, got -1"),
         ({"argv": ("x",), "health_failures": 0}, "health_failures: expected an integer >= 1"),
@@ -287,7 +289,38 @@ async def test_http_prober_times_out_on_a_silent_server(tmp_path: Path) -> None:
         await server.wait_closed()
 
 
+async def test_http_prober_head_sends_head_and_reads_no_body() -> None:
+    seen: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 42\r\n\r\n")  # a HEAD answer: the length, no body
+        await writer.drain()
+        await reader.read()  # held open: a prober waiting for 42 bytes of body would time out
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        assert await HttpProber().probe(Address(kind="tcp", port=port), "/v2/health/ready", 5.0, method="HEAD")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert seen[0].startswith(b"HEAD /v2/health/ready HTTP/1.1\r\n")
+
+
 # -- exit classification ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "words"), [
+    (0, "exited with code 0"),
+    (3, "exited with code 3"),
+    (-9, "was killed by SIGKILL (signal 9)"),
+    (-11, "was killed by SIGSEGV (signal 11)"),
+    (None, "exited (exit status unknown)"),
+])
+def test_exit_words_name_the_code_or_the_signal(code: int | None, words: str) -> None:
+    assert exit_words(code) == words
 
 
 @pytest.mark.parametrize(
