@@ -154,7 +154,8 @@ class ModelSpec(_Frozen):
         None, description="launch this OpenAI-compatible server instead; ${PORT} / ${SOCKET} are substituted"
     )
     url: str | None = for_launch(None, description="a server elsewhere: proxied and health-checked, never launched")
-    health_path: str = for_supervisor("/health", description="GET path that answers 200 when the backend is ready")
+    health_path: str = for_supervisor("/health", description="path that answers 200 when the backend is ready")
+    health_method: Literal["GET", "HEAD"] = for_supervisor("GET", description="HTTP method of the health probe")
     env: dict[str, str] = for_launch(default_factory=dict, description="extra environment for the model process")
     tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = for_engine(
         None, description="form of the model's tool calls; null = detected from the chat template"
@@ -163,7 +164,9 @@ class ModelSpec(_Frozen):
 
     idle_timeout_s: float = for_supervisor(900, ge=0, description="stop after this long without requests; 0 = never")
     startup_timeout_s: float = for_supervisor(180, gt=0, description="deadline for /health to answer 200 after a start")
-    health_interval_s: float = for_supervisor(10, gt=0, description="seconds between health probes while ready")
+    health_interval_s: float = for_supervisor(
+        10, ge=0, description="seconds between health probes while ready; 0 = probe only while starting"
+    )
     health_timeout_s: float = for_supervisor(5, gt=0, description="timeout of one health probe")
     health_failures: int = for_supervisor(3, ge=1, description="consecutive failed probes that mark a backend hung")
     stop_timeout_s: float = for_supervisor(10, ge=0, description="SIGTERM grace before SIGKILL")

@@ -26,21 +26,20 @@ from typing import Any, cast
 from starlette.types import Send
 
 from procman import Backend, BackendUnavailable, Lease
+from procman.process import exit_words
 from router.blame import Cause, Death, external, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
-from router.relay import RESPONSE_DROP, Relayed, relay
+from router.relay import DEATH_GRACE_S, DONE_PATHS, RESPONSE_DROP, Relayed, cut_reason, relay
 from router.request import ProxyRequest
 from router.resume import Plan, Splice, StreamLog, continuation, fatal_event, plan, progress
 from router.upstream import Upstream, UpstreamReply
 
-__all__ = ["RequestCrashedModel", "forward"]
+__all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
 
 log = logging.getLogger(__name__)
 
-#: How long a broken connection waits for the process's exit to be seen (else: unreachable, not dead).
-DEATH_GRACE_S = 2.0
 _BACKGROUND: set[asyncio.Task[Any]] = set()
 
 
@@ -117,10 +116,16 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
         if resp.header(b"x-backend-fatal") == b"1":
             return await _died(job, lease, "fatal", await _detail(resp))
         if job.plan is None:
-            return await relay(job.model, resp, job.send)
+            return await _relay(job, lease, resp)
         return await _relay_resumable(job, lease, resp)
     finally:
         resp.close()
+
+
+async def _relay(job: Job, lease: Lease, resp: UpstreamReply) -> int:
+    """The plain path: chunk by chunk; a chat or completion stream cut short is told what was seen."""
+    expect_done = job.req.path.startswith(DONE_PATHS)
+    return await relay(job.model, resp, job.send, lease, expect_done=expect_done, grace_s=DEATH_GRACE_S)
 
 
 async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int | None:
@@ -128,7 +133,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
     spec = job.model.spec
     if not job.head_sent:
         if resp.status != 200 or not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
-            return await relay(job.model, resp, job.send)
+            return await _relay(job, lease, resp)
         headers = [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
         await job.send({"type": "http.response.start", "status": 200, "headers": headers})
         job.head_sent, job.status, job.log = True, 200, StreamLog()
@@ -153,8 +158,15 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
     except UpstreamError as exc:
         return await _died(job, lease, None, str(exc))
     tail = job.splice.rest() if job.splice is not None else job.log.rest() if job.log is not None else b""
+    if not _finished(job, tail):  # closed without [DONE]: a death (resumed), or a cut by a live process
+        return await _died(job, lease, None, "the stream ended without [DONE]")
     await job.send({"type": "http.response.body", "body": tail})
     return job.status
+
+
+def _finished(job: Job, tail: bytes) -> bool:
+    last = job.log.sent[-1] if job.log is not None and job.log.sent else b""
+    return b"[DONE]" in tail or last.rstrip().endswith(b"[DONE]")
 
 
 async def _relay_chunk(job: Job, chunk: bytes) -> None:
@@ -180,14 +192,15 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         restart = None
         await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
         if not lease.exited.done():
-            return await _fail(job, BadGateway(f"model {job.name!r} could not be reached; retry the request"))
+            return await _fail(job, BadGateway(await _alive_words(job, lease)))
         death = _death_of(backend, lease, in_flight)
     job.deaths.append(lease.generation)
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
     if choice == "again" and job.tries < job.budget() and _prepare_again(job):
         job.tries += 1
-        log.warning("%s: the process died under a request (%s: %s); %s on a fresh process", job.name, death.cause,
-                    detail, "resuming the stream" if job.head_sent else "retrying once")
+        log.warning("%s: the process died under a request (%s, %s: %s); %s on a fresh process", job.name,
+                    death.cause, exit_words(death.code), detail,
+                    "resuming the stream" if job.head_sent else "retrying once")
         if restart is not None:
             await restart  # the next attempt must land on the fresh process
         return None
@@ -243,7 +256,16 @@ def _blame_message(job: Job, death: Death) -> str:
 
 def _death_message(job: Job, death: Death) -> str:
     what = {"hang": "hung", "crash": "died", "fatal": "failed fatally", "stall": "stalled"}[death.cause]
-    return f"model {job.name!r} {what} while handling the request; it is being restarted, retry the request"
+    how = f": its process {exit_words(death.code)}" if death.cause == "crash" and death.code is not None else ""
+    return f"model {job.name!r} {what} while handling the request{how}; it is being restarted, retry the request"
+
+
+async def _alive_words(job: Job, lease: Lease) -> str:
+    """The connection broke but the process runs on: say so (a stream: how far it got), restart nothing."""
+    if not job.head_sent:
+        return f"model {job.name!r} could not be reached; retry the request"
+    chunks = sum(event.count(b"data:") for event in job.log.sent) if job.log is not None else 0
+    return await cut_reason(job.name, lease, chunks, grace_s=0.0)
 
 
 async def _fail(job: Job, error: RouterError) -> int:

@@ -2,7 +2,12 @@
 
 ``relay()`` sends the head, then each chunk as it arrives (never buffered; a small or finished
 body goes in one message); a backend that breaks off mid-answer, or stays silent longer than
-``stream_idle_timeout_s``, ends the response with an SSE error event when it is a stream.
+``stream_idle_timeout_s``, ends the response with an SSE error event when it is a stream. A
+chat or completion stream that ends without ``data: [DONE]`` was cut short too, however the
+connection ended; the event then says what was seen (:func:`cut_reason`): the process died
+(and how: its exit code or signal), or the upstream closed the stream while its process
+runs on — a server that drops a stream on a concurrent request, as llama-cpp-python's does
+on a health probe, is not a dead one, and nothing is restarted for it.
 ``run_until_disconnect()`` runs the whole exchange in the caller's task while a watcher waits
 for ``http.disconnect``: a client that goes away cancels it, and the upstream is closed in a
 ``finally`` so the model server sees the disconnect and cancels the generation.
@@ -17,19 +22,25 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Send
 
+from procman import Lease
+from procman.process import exit_words
 from router.errors import RouterError, error_body
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
 from router.request import HOP_BY_HOP
 from router.upstream import UpstreamReply
 
-__all__ = ["Relayed", "relay", "run_until_disconnect", "send_error"]
+__all__ = ["DONE_PATHS", "Relayed", "Tally", "cut_reason", "relay", "run_until_disconnect", "send_error"]
 
 log = logging.getLogger(__name__)
 
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "x-backend-fatal"}
 SMALL_BODY = 1 << 20
 WATCH_AFTER_S = 0.05
+#: Streams of these paths end with ``data: [DONE]`` (the OpenAI protocol); one that ends without it was cut.
+DONE_PATHS = ("/v1/chat/completions", "/v1/completions")
+#: How long a cut stream waits for its process's exit to be seen before it calls the process alive.
+DEATH_GRACE_S = 2.0
 
 
 class Relayed(Exception):
@@ -51,34 +62,98 @@ async def send_error(send: Send, exc: RouterError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def relay(model: Model, resp: UpstreamReply, send: Send) -> int:
+class Tally:
+    """What an OpenAI stream relayed so far: its ``data:`` events (chunks) and whether ``[DONE]`` ended it."""
+
+    __slots__ = ("_tail", "chunks")
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self._tail = b""
+
+    def feed(self, data: bytes) -> None:
+        self.chunks += data.count(b"data:")
+        self._tail = (self._tail + data[-16:])[-16:]
+
+    @property
+    def done(self) -> bool:
+        return b"[DONE]" in self._tail
+
+
+async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | None = None, *,
+                expect_done: bool = False, grace_s: float = DEATH_GRACE_S) -> int:
+    """Relay ``resp`` to the client. ``expect_done``: an SSE answer must end with ``[DONE]`` (a chat or
+    completion stream); ``lease`` tells whether the process behind a cut stream died or runs on."""
     await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
     idle_s = model.spec.stream_idle_timeout_s
+    tally = Tally() if expect_done and resp.status == 200 and _is_sse(resp) else None
     try:
         if resp.complete or (resp.content_length or SMALL_BODY + 1) <= SMALL_BODY:
-            await send({"type": "http.response.body", "body": await resp.read(idle_s)})
-            return resp.status
-        async for chunk in resp.iter_chunks(idle_s):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            body = await resp.read(idle_s)
+            if tally is None:
+                await send({"type": "http.response.body", "body": body})
+                return resp.status
+            tally.feed(body)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        else:
+            async for chunk in resp.iter_chunks(idle_s):
+                if tally is not None:
+                    tally.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as exc:
-        await _end_broken_stream(model, resp, send, exc)
+        await _end_broken_stream(model, resp, send, exc, tally, lease, grace_s)
         raise Relayed(resp.status) from None
+    if tally is not None and not tally.done:
+        reason = await cut_reason(model.spec.name, lease, tally.chunks, grace_s)
+        log.warning("%s", reason)
+        await _end_with_error(send, reason)
+        raise Relayed(resp.status)
     await send({"type": "http.response.body", "body": b""})
     return resp.status
 
 
-async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc: UpstreamError) -> None:
+def _is_sse(resp: UpstreamReply) -> bool:
+    return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+
+
+async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc: UpstreamError, tally: Tally | None,
+                             lease: Lease | None, grace_s: float) -> None:
+    name = model.spec.name
     if isinstance(exc, UpstreamTimeout):
-        reason = f"sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
+        reason = f"model {name!r} sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
+    elif tally is not None:
+        reason = await cut_reason(name, lease, tally.chunks, grace_s)
     else:
-        reason = "stopped answering mid-response (the process may have died; it is being restarted)"
-    log.warning("%s %s: %s", model.spec.name, reason, exc)
-    if (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
-        error = {"error": {"message": f"model {model.spec.name!r} {reason}", "type": "server_error",
-                           "param": None, "code": "backend_error"}}
-        await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(),
-                    "more_body": True})
+        reason = f"model {name!r} broke off the response mid-body"
+    log.warning("%s (%s)", reason, exc)
+    if _is_sse(resp):
+        await _end_with_error(send, reason)
+        return
     await send({"type": "http.response.body", "body": b""})
+
+
+async def _end_with_error(send: Send, message: str) -> None:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "backend_error"}}
+    await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(),
+                "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def cut_reason(name: str, lease: Lease | None, chunks: int, grace_s: float) -> str:
+    """What was seen of a stream that ended early: its process died (and how), or it runs on.
+
+    A death shows as the lease's ``exited`` completing; it is waited for ``grace_s`` (the
+    connection may break a moment before the exit is seen). A remote has no process to watch.
+    """
+    after = f"after {chunks} chunk{'' if chunks == 1 else 's'}"
+    if lease is None or lease.pid is None:
+        return f"model {name!r} upstream closed the stream {after} without finishing"
+    await asyncio.wait({lease.exited}, timeout=grace_s)
+    if lease.exited.done():
+        code = None if lease.exited.cancelled() or lease.exited.exception() else int(lease.exited.result())
+        return f"model {name!r} died {after}: its process (pid {lease.pid}) {exit_words(code)}; retry the request"
+    return (f"model {name!r} upstream closed the stream {after} without finishing; "
+            f"the process (pid {lease.pid}) is still running")
 
 
 async def run_until_disconnect(
