@@ -53,10 +53,16 @@ class _ProxyEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        name, status = "-", 500
+        name, status, held = "-", 500, 0
+        bodies = self.service.registry.bodies
         try:
             check_key(request.header(scope, b"authorization"), self.service.config.router.api_keys, "api_keys")
+            charge = request.body_charge(scope, self.service.registry.max_body_bytes)
+            await bodies.take(charge)  # before the body is read: memory stays bounded (503 when full)
+            held = charge
             model, req = await self.prepare(scope, receive)
+            bodies.give(held - len(req.body))  # a chunked body took the most it could be
+            held = len(req.body)
             name = model.spec.name
             activity, pool, client = self.service.console.activity, self.service.pool, request.client_of(scope)
             status, gone = await run_until_disconnect(
@@ -72,6 +78,7 @@ class _ProxyEndpoint:
             log.exception("unhandled error proxying %s", scope["path"])
             await send_error(send, RouterError("internal router error; see the router log"))
         finally:
+            bodies.give(held)
             self._count(name, status, time.perf_counter() - started)
 
     def _count(self, name: str, status: int, elapsed_s: float) -> None:

@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
-    from router.coalesce import CoalescingHttpToolsProtocol
+    from router.connlimits import GuardedHttpProtocol, connection_limits, raise_open_file_limit
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     config = _load(args.config)
@@ -63,12 +63,17 @@ def _serve(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %d model(s) from %s", len(config.models), config.path)
     log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
+    settings = config.router
+    limits = connection_limits(settings.head_timeout_s, settings.max_connections, raise_open_file_limit())
+    log.info("connections: at most %d open, request head within %gs, keep-alive idle %gs",
+             limits.max_connections, limits.head_timeout_s, settings.keep_alive_timeout_s)
     uvicorn.run(
         build_app(config),
         host=host,
         port=port,
         loop="uvloop",
-        http=CoalescingHttpToolsProtocol,  # httptools, head and body in one write
+        http=GuardedHttpProtocol.with_limits(limits),  # httptools, one write per loop turn, bounded connections
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
         log_level=args.log_level,
         access_log=False,
         proxy_headers=False,  # the router is the edge; its ProxyHeadersMiddleware costs every request

@@ -49,6 +49,23 @@ class RouterSettings(_Frozen):
     device_failure_threshold: int = Field(
         3, ge=0, description="fatal errors of this many models on one device within 10 min mark it unhealthy; 0 = off"
     )
+    max_buffered_body_mb: float = Field(
+        256, gt=0, description="request bodies held in memory at once, all models together (never below the "
+        "largest max_request_mb); beyond it a request waits body_wait_s, then 503"
+    )
+    body_wait_s: float = Field(30, gt=0, description="how long a request waits for room under max_buffered_body_mb")
+    body_timeout_s: float = Field(
+        30, gt=0, description="the longest silence while a request body is read (then 408)"
+    )
+    head_timeout_s: float = Field(
+        10, gt=0, description="a connection must send a complete request head this soon after it opens or after "
+        "the first byte of its next request, else it is closed"
+    )
+    keep_alive_timeout_s: float = Field(5, gt=0, description="an idle keep-alive connection is closed after this")
+    max_connections: int = Field(
+        0, ge=0, description="open client connections; beyond it a new one gets 503 and is closed; "
+        "0 = auto (from the open-file limit)"
+    )
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"
     )

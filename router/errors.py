@@ -5,10 +5,12 @@
      ├ Unauthorized             401  authentication_error
      ├ ModelNotFound            404  model_not_found
      ├ NotFound                 404  not_found
+     ├ RequestTimeout           408  request_timeout       (a request body that stopped arriving)
      ├ PayloadTooLarge          413  request_too_large
      ├ TooManyRequests          429  rate_limit_exceeded   (Retry-After)
      ├ BadGateway               502  backend_error
      ├ ServiceUnavailable       503  model_unavailable     (Retry-After when known)
+     │  └ RouterBusy            503  router_busy           (Retry-After: the router-wide body budget is full)
      └ GatewayTimeout           504  backend_timeout
 
 Every body is ``{"error": {"message", "type", "param", "code"}}`` (``param`` null when no single
@@ -32,6 +34,8 @@ __all__ = [
     "ModelNotFound",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
+    "RouterBusy",
     "RouterError",
     "ServiceUnavailable",
     "TooManyRequests",
@@ -79,6 +83,10 @@ class NotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class RequestTimeout(RouterError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
@@ -93,6 +101,10 @@ class BadGateway(RouterError):
 
 class ServiceUnavailable(RouterError):
     status, type, code = 503, "server_error", "model_unavailable"
+
+
+class RouterBusy(ServiceUnavailable):
+    code = "router_busy"
 
 
 class GatewayTimeout(RouterError):

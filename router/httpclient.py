@@ -27,6 +27,7 @@ __all__ = ["ConnectionPool", "UpstreamError", "UpstreamResponse", "UpstreamTimeo
 
 HIGH_WATER = 1 << 20  # pause reading the backend when this much is buffered for a slow client
 MAX_IDLE = 64
+COPY_MAX = 64 * 1024  # a request body larger than this is written apart from its head, not copied after it
 
 
 class UpstreamError(Exception):
@@ -256,12 +257,14 @@ class ConnectionPool:
         elif conn.transport is not None:
             conn.transport.close()
 
-    def _encode(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    def _encode(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[bytes, ...]:
+        """The request as one write, or head and body apart when the body is large (no copy of it)."""
         lines = [f"{method} {self.prefix}{path} HTTP/1.1".encode("latin-1"), b"host: " + self._host_header]
         lines += [f"{k}: {v}".encode("latin-1") for k, v in headers]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(b"content-length: " + str(len(body)).encode())
-        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+        head = b"\r\n".join(lines) + b"\r\n\r\n"
+        return (head, body) if len(body) > COPY_MAX else (head + body,)
 
     async def request(
         self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, head_timeout_s: float | None
@@ -280,13 +283,16 @@ class ConnectionPool:
                 # a keep-alive connection the backend had closed: try a fresh one
         return _bodyless(method, await self._exchange(await self._connect(), payload, head_timeout_s))
 
-    async def _exchange(self, conn: _Connection, payload: bytes, head_timeout_s: float | None) -> UpstreamResponse:
+    async def _exchange(
+        self, conn: _Connection, payload: tuple[bytes, ...], head_timeout_s: float | None
+    ) -> UpstreamResponse:
         assert conn.transport is not None
         conn.got_bytes = False
         response = conn.response = UpstreamResponse(self, conn)
         conn.parser = httptools.HttpResponseParser(conn)
         conn.head = asyncio.get_running_loop().create_future()
-        conn.transport.write(payload)
+        for part in payload:
+            conn.transport.write(part)
         head = conn.head
         timer = None
         if head_timeout_s is not None:  # a timer handle is cheaper than asyncio.timeout() per request

@@ -1,15 +1,19 @@
-"""Per-model admission: ``max_concurrency`` in flight, ``max_queue`` waiting, then 429."""
+"""Admission: per model ``max_concurrency`` in flight, ``max_queue`` waiting, then 429; router-wide,
+the bytes of request bodies held in memory (:class:`BodyBudget`), then 503."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from types import TracebackType
 
 from router.activity import note_queue_wait
-from router.errors import TooManyRequests
+from router.errors import RouterBusy, TooManyRequests
 
-__all__ = ["Limiter"]
+__all__ = ["BodyBudget", "Limiter"]
+
+MIB = 1024 * 1024
 
 
 class Limiter:
@@ -53,3 +57,69 @@ class Limiter:
     ) -> None:
         self.in_flight -= 1
         self._slots.release()
+
+
+class BodyBudget:
+    """Router-wide bound on the request bodies held in memory: ``take(n)`` before a body is read,
+    ``give(n)`` when its request is over. Waiters are served in FIFO order; one that waits longer
+    than ``wait_s`` gets 503 with Retry-After.
+
+    A body is charged what its ``Content-Length`` declares before any of it is read, so bodies
+    never deadlock half-read: one in, whole, or it waits with its bytes still in the client's
+    socket. The limit is never below the largest single body allowed (``floor``), so any one
+    request fits an empty budget.
+    """
+
+    def __init__(self, limit_bytes: int, wait_s: float, retry_after_s: float = 1.0) -> None:
+        self.limit_bytes = limit_bytes
+        self.wait_s = wait_s
+        self.retry_after_s = retry_after_s
+        self.held = 0
+        self._floor = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def effective_limit(self) -> int:
+        return max(self.limit_bytes, self._floor)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def configure(self, limit_bytes: int, wait_s: float, floor_bytes: int) -> None:
+        """New settings (a reload); a raised limit lets waiters in at once."""
+        self.limit_bytes, self.wait_s, self._floor = limit_bytes, wait_s, floor_bytes
+        self._grant()
+
+    async def take(self, n: int) -> None:
+        if not self._waiters and self.held + n <= self.effective_limit:
+            self.held += n
+            return
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await entry[1]
+        except BaseException as exc:
+            if entry[1].done() and not entry[1].cancelled():  # granted just as the wait ended
+                self.give(n)
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+                self._grant()  # the head may have been the one that did not fit
+            if isinstance(exc, TimeoutError):
+                raise RouterBusy(
+                    f"the router holds {self.held / MIB:.0f} MiB of request bodies (max_buffered_body_mb="
+                    f"{self.limit_bytes / MIB:.0f}) and found no room for {n / MIB:.1f} MiB within "
+                    f"body_wait_s={self.wait_s:g}s; retry later", retry_after_s=self.retry_after_s) from None
+            raise
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.held + self._waiters[0][0] <= self.effective_limit:
+            n, future = self._waiters.popleft()
+            if not future.done():
+                self.held += n
+                future.set_result(None)

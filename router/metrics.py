@@ -65,6 +65,10 @@ class Metrics:
         self.reloads = Counter("ovrouter_config_reloads", "config reloads", ["result"], registry=r)
         self.config_valid = Gauge("ovrouter_config_valid", "0 while the file on disk fails validation", registry=r)
         self.config_valid.set(1)
+        self.buffered_bodies = Gauge("ovrouter_buffered_body_bytes", "request bodies held in memory, all models "
+                                     "(bounded by max_buffered_body_mb)", registry=r)
+        self.body_waiters = Gauge("ovrouter_body_waiters", "requests waiting for room under max_buffered_body_mb",
+                                  registry=r)
         self._activity(r)
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}

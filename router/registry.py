@@ -17,7 +17,7 @@ from modelserver.spec import ModelSpec
 from procman import LOADED, Backend, BackendUnavailable, ProcessManager, Scope, State
 from router.config import Config
 from router.launch import backend_spec
-from router.limits import Limiter
+from router.limits import MIB, BodyBudget, Limiter
 from router.metrics import Metrics
 from router.reload import ConfigDiff, diff
 from router.residency import Residency
@@ -53,6 +53,10 @@ class Registry:
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
         self.max_body_bytes = 1 << 20
+        self.body_timeout_s = config.router.body_timeout_s
+        self.bodies = BodyBudget(int(config.router.max_buffered_body_mb * MIB), config.router.body_wait_s)
+        metrics.buffered_bodies.set_function(lambda: self.bodies.held)
+        metrics.body_waiters.set_function(lambda: self.bodies.waiting)
         self._tasks: set[asyncio.Task[Any]] = set()
         for spec in config.models.values():
             self._add(spec)
@@ -89,6 +93,9 @@ class Registry:
         self._aliases = {alias: m.spec.name for m in self.models.values() for alias in m.spec.aliases}
         # the body is read before its model is known: the largest limit of any model bounds it
         self.max_body_bytes = max((m.spec.max_request_bytes for m in self.models.values()), default=1 << 20)
+        router = self.config.router
+        self.body_timeout_s = router.body_timeout_s
+        self.bodies.configure(int(router.max_buffered_body_mb * MIB), router.body_wait_s, self.max_body_bytes)
 
     def start_preloads(self, names: Iterable[str] | None = None) -> None:
         for name in self.models if names is None else names:

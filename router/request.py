@@ -21,7 +21,8 @@ from router.body import model_of, read_body, too_large
 from router.errors import BadRequest, ModelNotFound
 from router.registry import Model, Registry
 
-__all__ = ["HOP_BY_HOP", "ProxyRequest", "client_of", "header", "proxied", "raw", "unknown_model", "upstream_headers"]
+__all__ = ["HOP_BY_HOP", "ProxyRequest", "body_charge", "client_of", "header", "proxied", "raw", "unknown_model",
+           "upstream_headers"]
 
 HOP_BY_HOP = frozenset(
     {
@@ -82,8 +83,13 @@ def upstream_headers(raw: list[tuple[bytes, bytes]], client: str | None) -> list
 
 def unknown_model(name: str, known: Iterable[str]) -> ModelNotFound:
     return ModelNotFound(
-        f"model {name!r} is not configured; known models: {', '.join(sorted(known)) or 'none'}", param="model"
+        f"model {_shown(name)} is not configured; known models: {', '.join(sorted(known)) or 'none'}", param="model"
     )
+
+
+def _shown(name: str, limit: int = 100) -> str:
+    """``name`` quoted for a message, cut to ``limit`` characters (a client may send megabytes)."""
+    return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -94,13 +100,24 @@ def _content_length(scope: Scope) -> int | None:
         raise BadRequest(f"Content-Length is not a number: {value!r}") from None
 
 
+def body_charge(scope: Scope, limit_bytes: int) -> int:
+    """What a request's body may take in memory, known before it is read: its ``Content-Length``
+    (413 beyond ``limit_bytes``), ``limit_bytes`` for a chunked one, else 0."""
+    declared = _content_length(scope)
+    if declared is not None:
+        if declared > limit_bytes:
+            raise too_large(limit_bytes)
+        return declared
+    return limit_bytes if "chunked" in (header(scope, b"transfer-encoding") or "").lower() else 0
+
+
 def _query(scope: Scope) -> str:
     return ("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else ""
 
 
 async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
     """An OpenAI route: the body names the model; a stream is never retried."""
-    body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
+    body = await read_body(receive, _content_length(scope), registry.max_body_bytes, registry.body_timeout_s)
     routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models)
     model = registry.resolve(routed.model)
     if model is None:
@@ -123,7 +140,7 @@ async def raw(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model
     model = registry.resolve(params.get("model", ""))
     if model is None:
         raise unknown_model(params.get("model", ""), registry.models)
-    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
+    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes, registry.body_timeout_s)
     path_bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
     parts = path_bytes.split(b"/", 3)  # b"", b"upstream", model, rest
     path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "") + _query(scope)

@@ -1,0 +1,220 @@
+"""The router's HTTP protocol: bounds on what one connection may hold, and JSON for every refusal.
+
+uvicorn's httptools protocol (with :mod:`router.coalesce`'s joined writes) plus:
+
+- a deadline for the request head (``head_timeout_s``): from the connection's opening, or
+  from the first byte of its next request, to the end of the head; a connection that sends
+  nothing, or drips its head a byte at a time (slowloris), is closed (408 when it sent part
+  of a head). Idle keep-alive connections close after ``keep_alive_timeout_s`` (uvicorn's
+  own timer, armed when a response ends).
+- at most ``max_connections`` open: one more gets 503 (``too_many_connections``) and is
+  closed at once, so its file descriptor comes back at once and model starts never run out.
+- a request line longer than :data:`MAX_URL_BYTES` -> 414; more than :data:`MAX_HEADERS`
+  headers or a head over :data:`MAX_HEAD_BYTES` -> 431.
+- framing errors the parser finds (a bad or duplicate ``Content-Length``, ``Content-Length``
+  with chunked, a malformed request line) -> 400 naming the fault, where uvicorn sends a
+  plain-text ``Invalid HTTP request received.``
+
+Every refusal is the router's JSON error shape with ``connection: close``; when a response
+is already under way on the connection, it is closed without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+
+from router.coalesce import CoalescingHttpToolsProtocol
+from router.errors import error_body
+
+__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MAX_URL_BYTES", "ConnectionLimits", "GuardedHttpProtocol", "Refused"]
+
+log = logging.getLogger(__name__)
+
+MAX_URL_BYTES = 16 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 100
+#: How often a refusal of the same kind is logged at most (a flood must not flood the log).
+LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    head_timeout_s: float = 10.0
+    max_connections: int = 1024
+    max_url_bytes: int = MAX_URL_BYTES
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_headers: int = MAX_HEADERS
+
+
+class Refused(Exception):
+    """A request the connection answers itself, with ``status`` and the JSON error shape, then closes."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after_s = status, message, code, retry_after_s
+
+    def response(self) -> bytes:
+        type_ = "server_error" if self.status >= 500 else "invalid_request_error"
+        body = error_body(self.message, type_, self.code)
+        head = [f"HTTP/1.1 {self.status} {http.HTTPStatus(self.status).phrase}", "content-type: application/json",
+                f"content-length: {len(body)}", "connection: close"]
+        if self.retry_after_s is not None:
+            head.append(f"retry-after: {self.retry_after_s}")
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+_last_logged: dict[str, float] = {}
+
+
+def _log_refusal(refusal: Refused, client: Any) -> None:
+    now = time.monotonic()
+    if now - _last_logged.get(refusal.code, -LOG_EVERY_S) >= LOG_EVERY_S:
+        _last_logged[refusal.code] = now
+        log.warning("refused a connection from %s: %d %s (at most one such line per %gs)",
+                    client[0] if client else "?", refusal.status, refusal.message, LOG_EVERY_S)
+
+
+class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
+    """Select with ``uvicorn.run(..., http=GuardedHttpProtocol.with_limits(limits))``."""
+
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+
+    @classmethod
+    def with_limits(cls, limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+        return type(cls.__name__, (cls,), {"limits": limits})
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = False
+        self._head_bytes = 0
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(Refused(503, f"the router has {len(self.connections) - 1} open connections "
+                                      f"(max_connections={self.limits.max_connections}); retry later",
+                                 "too_many_connections", retry_after_s=1))
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, with its parser errors (and this class's refusals) answered in JSON."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            self._refuse(cause if isinstance(cause, Refused) else Refused(
+                400, f"invalid HTTP request: {exc}; send well-formed HTTP/1.1", "invalid_http_request"))
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_head_bytes:
+                self._refuse(Refused(431, f"request head is larger than {self.limits.max_head_bytes} bytes; "
+                                          "send fewer or shorter headers", "request_header_fields_too_large"))
+        elif self._idle() and self._head_timer is None and self.timeout_keep_alive_task is None:
+            self._arm_head_timer()  # bytes between requests (a bare CRLF) still count against the deadline
+
+    # -- parser callbacks ---------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+        if self._head_timer is None:
+            self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.limits.max_url_bytes:
+            raise Refused(414, f"request URL is longer than {self.limits.max_url_bytes} bytes; send a shorter one "
+                               "(the model goes in the body)", "uri_too_long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= self.limits.max_headers:
+            raise Refused(431, f"request has more than {self.limits.max_headers} headers; send fewer",
+                          "request_header_fields_too_large")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        """No request of this connection is being answered: a refusal may be written."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._idle():
+            return
+        if not self._in_head:  # nothing of a request sent: close quietly, as a keep-alive timeout does
+            self.transport.close()
+            return
+        self._refuse(Refused(408, f"request head not complete within head_timeout_s="
+                                  f"{self.limits.head_timeout_s:g}s; send the whole head at once", "request_timeout"))
+
+    def _refuse(self, refusal: Refused) -> None:
+        _log_refusal(refusal, self.client)
+        self._cancel_head_timer()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            self.transport.write(refusal.response())
+        if cycle is not None and not cycle.response_complete:  # its app (reading a body) sees a disconnect
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (logging both); the soft limit in force after."""
+    try:
+        import resource
+    except ImportError:  # Windows: no rlimits
+        return 8192
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("open-file limit: soft %d, hard %d; could not raise the soft limit: %s", soft, hard, exc)
+            return int(soft)
+    log.info("open-file limit: soft %d -> %d (hard %s)", soft, target,
+             "unlimited" if hard == resource.RLIM_INFINITY else hard)
+    return int(target)
+
+
+def connection_limits(head_timeout_s: float, max_connections: int, open_files: int) -> ConnectionLimits:
+    """``max_connections`` 0 = auto: half of the open files left after a reserve for model processes,
+    log files and the router's own connections to its backends (each proxied request holds one)."""
+    auto = max(64, (open_files - 512) // 2)
+    return ConnectionLimits(head_timeout_s=head_timeout_s, max_connections=max_connections or auto)

@@ -1,0 +1,419 @@
+"""Hostile and oversized input to a real router process: every case gets a JSON error naming what to fix,
+memory and connections stay bounded, and a normal request still succeeds on the same pid afterwards.
+
+Raw sockets for what an HTTP client library would refuse to send; floods only on loopback and bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.body import MAX_JSON_DEPTH, check_depth
+from router.errors import BadRequest, RouterBusy
+from router.limits import BodyBudget
+from tests.modelserver_helpers import free_port
+from tests.router_helpers import fake_model, write_config
+from tests.test_router_process import router_process
+
+pytestmark = pytest.mark.timeout(180)
+
+MIB = 1024 * 1024
+ROUTER = {"head_timeout_s": 2, "keep_alive_timeout_s": 2, "max_connections": 400, "max_buffered_body_mb": 16,
+          "body_wait_s": 1, "body_timeout_s": 2}
+
+
+@dataclass
+class Router:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> dict[str, Any]:
+        assert self.headers.get("content-type") == "application/json", self
+        error = json.loads(self.body)["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"], error
+        return dict(error)
+
+
+@contextlib.contextmanager
+def started(tmp: Path, router: dict[str, Any]) -> Iterator[Router]:
+    models = {"tiny": fake_model(preload=True, max_request_mb=8, idle_timeout_s=0),
+              "cold": fake_model(max_request_mb=8, idle_timeout_s=0)}
+    config = write_config(tmp, models, router=router)
+    port = free_port()
+    with router_process(config, port) as proc:
+        deadline = time.monotonic() + 30
+        while _state(port, "tiny") != "ready":  # preloaded: its process is there before any test counts children
+            assert time.monotonic() < deadline, "tiny did not load"
+            time.sleep(0.05)
+        yield Router(proc, port, tmp / "router.log")
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+    with started(tmp_path_factory.mktemp("hostile"), ROUTER) as running:
+        yield running
+    log = running.log.read_text()
+    assert "Traceback" not in log and "RecursionError" not in log, log[-3000:]
+
+
+def _state(port: int, name: str) -> str:
+    rows = httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=5).json()["models"]
+    return str(next(row["state"] for row in rows if row["name"] == name)).lower()
+
+
+def chat(model: str = "tiny", text: str = "hello world") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+
+
+def serves(router: Router) -> None:
+    """The same router process still answers a normal request."""
+    assert router.proc.poll() is None, "the router died"
+    reply = httpx.post(f"{router.url}/v1/chat/completions", json=chat(), timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"]
+
+
+def raw(port: int, data: bytes, timeout_s: float = 15.0) -> Reply:
+    """Send ``data`` (from a thread: the server may answer and close before it is all sent) and read the
+    answer until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                sock.sendall(data)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        received = _read_all(sock)
+        sender.join(timeout_s)
+    return _parse(received)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(received: bytes) -> Reply:
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head, "the server closed the connection without an answer"
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict((k.strip().lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
+    return Reply(int(lines[0].split()[1]), headers, body[: int(headers.get("content-length", len(body)))])
+
+
+def post(path: str, body: bytes, *extra: str, content_type: str = "application/json") -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: x", f"content-type: {content_type}", f"content-length: {len(body)}",
+            "connection: close", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+# -- pure parts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 10, MAX_JSON_DEPTH])
+def test_check_depth_lets_a_body_as_deep_as_the_limit_through(depth: int) -> None:
+    check_depth(b'{"a": ' * (depth - 1) + b'["[[[", "\\\\"]' + b"}" * (depth - 1))
+    check_depth(b"[" * depth + b"]" * depth)
+
+
+@pytest.mark.parametrize("body", [
+    b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1),
+    b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    b"[" * 100_000,  # never closed: still refused before a parser recurses into it
+    b"[" * 65 + b'"\\"]]]]"' + b"]" * 65,  # an escaped quote does not end the string
+])
+def test_check_depth_refuses_a_body_nested_deeper_than_the_limit(body: bytes) -> None:
+    with pytest.raises(BadRequest, match="nested too deeply: more than 64 levels"):
+        check_depth(body)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"s": "' + b"[" * 1000 + b'"}',  # brackets inside a string are text
+    b'{"s": "\\\\", "t": "' + b"{" * 1000 + b'"}',  # an escaped backslash, then a real closing quote
+    b'{"a": [1}' + b"[]" * 100,  # malformed but shallow: left to the JSON parser's message
+])
+def test_check_depth_counts_only_brackets_outside_strings(body: bytes) -> None:
+    check_depth(body)
+
+
+async def test_body_budget_serves_waiters_first_in_first_out_and_times_out_with_503() -> None:
+    budget = BodyBudget(100, wait_s=5)
+    await budget.take(80)
+    first = asyncio.create_task(budget.take(50))
+    second = asyncio.create_task(budget.take(10))  # would fit now, but waits its turn behind the first
+    await asyncio.sleep(0)
+    assert budget.held == 80 and budget.waiting == 2
+    budget.give(80)
+    await asyncio.gather(first, second)
+    assert budget.held == 60 and budget.waiting == 0
+    budget.wait_s = 0.01
+    with pytest.raises(RouterBusy, match="max_buffered_body_mb") as refused:
+        await budget.take(50)
+    assert refused.value.status == 503 and refused.value.retry_after_s and budget.held == 60 and budget.waiting == 0
+
+
+async def test_body_budget_never_refuses_a_single_body_the_largest_limit_allows() -> None:
+    budget = BodyBudget(10, wait_s=5)
+    budget.configure(10, 5, floor_bytes=64)
+    await budget.take(64)  # over max_buffered_body_mb, but a body max_request_mb allows: alone, it fits
+    waiter = asyncio.create_task(budget.take(1))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    budget.give(64)
+    await waiter
+    waiter.cancel()
+    assert budget.held == 1
+
+
+async def test_a_cancelled_waiter_hands_back_nothing_it_did_not_get() -> None:
+    budget = BodyBudget(10, wait_s=5)
+    await budget.take(10)
+    waiter = asyncio.create_task(budget.take(5))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiter
+    assert budget.waiting == 0 and budget.held == 10
+    budget.give(10)
+    assert budget.held == 0
+
+
+# -- bodies ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"model": "tiny", "x": ' + b"[" * 65 + b"]" * 65 + b"}", "nested too deeply"),
+    (b'{"model": "tiny", "messages": "\xff\xfe"}', "not valid JSON"),
+    (b'{"model": "ti\x00ny"}', "not valid JSON"),
+    (b"\x00" * 64, "not valid JSON"),
+    (b'["model", "tiny"]', "must be a JSON object"),
+    (b'"tiny"', "must be a JSON object"),
+    (b"", "not valid JSON"),
+    (b'{"model": ["tiny"]}', "must be a string"),
+])
+def test_a_malformed_body_is_a_400_naming_the_fault(router: Router, body: bytes, says: str) -> None:
+    reply = raw(router.port, post("/v1/chat/completions", body))
+    assert reply.status == 400, reply
+    assert says in reply.error()["message"]
+    serves(router)
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "%2e%2e%2fetc", "模型", "tiny\u202e", "x" * 100_000, " tiny"])
+def test_a_strange_model_name_is_a_404_naming_the_known_models(router: Router, name: str) -> None:
+    reply = httpx.post(f"{router.url}/v1/chat/completions", json=chat(name), timeout=30)
+    assert reply.status_code == 404, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_found" and "known models: cold, tiny" in error["message"]
+    assert len(error["message"]) < 400  # a 100 kB name is not echoed whole
+    serves(router)
+
+
+@pytest.mark.parametrize("path", ["/upstream/..%2f..%2fetc%2fpasswd/v1/models", "/upstream/%2e%2e/v1/models",
+                                  "/upstream/%E6%A8%A1%E5%9E%8B/health"])
+def test_a_path_like_model_in_an_upstream_url_is_a_404(router: Router, path: str) -> None:
+    reply = raw(router.port, f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+    assert reply.status == 404, reply
+    assert reply.error()["code"] in ("model_not_found", "not_found")
+    serves(router)
+
+
+def test_a_declared_body_over_the_limit_is_a_413_before_it_is_read(router: Router) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    reply = raw(router.port, head + f"content-length: {9 * MIB}\r\n\r\n".encode())  # no body sent at all
+    assert reply.status == 413 and "max_request_mb" in reply.error()["message"]
+    serves(router)
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_gives_its_charge_back(router: Router) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    reply = raw(router.port, head + b"content-length: 1000\r\n\r\n{\"model\": ")  # then silence
+    assert reply.status == 408 and "body_timeout_s" in reply.error()["message"]
+    assert _buffered(router.port) == 0
+    serves(router)
+
+
+def _buffered(port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("ovrouter_buffered_body")))
+
+
+def test_bodies_beyond_the_router_wide_budget_wait_then_get_503_with_retry_after(router: Router) -> None:
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (8 * MIB))
+    holders = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(2)]
+    try:
+        for sock in holders:  # two 8 MiB bodies declared, one byte sent: the 16 MiB budget is taken
+            sock.sendall(head + b"{")
+        deadline = time.monotonic() + 15
+        while _buffered(router.port) < 16 * MIB:
+            assert time.monotonic() < deadline, "the two bodies were never charged"
+            time.sleep(0.05)
+        reply = raw(router.port, post("/v1/chat/completions", json.dumps(chat()).encode()))
+        assert reply.status == 503 and reply.headers.get("retry-after") == "1", reply
+        error = reply.error()
+        assert error["code"] == "router_busy" and "max_buffered_body_mb=16" in error["message"]
+    finally:
+        for sock in holders:
+            sock.close()
+    deadline = time.monotonic() + 15
+    while _buffered(router.port) > 0:  # the client went away: its charge comes back
+        assert time.monotonic() < deadline, "a disconnected body kept its charge"
+        time.sleep(0.05)
+    serves(router)
+
+
+# -- framing, heads, URLs -------------------------------------------------------------------------------
+
+
+CHAT = json.dumps(chat()).encode()
+
+
+@pytest.mark.parametrize("request_bytes, says", [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n", "Content-Length"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n", "Content-Length"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+     "Duplicate Content-Length"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
+     b"0\r\n\r\n", "Transfer-Encoding"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    (b"HELLO\r\n\r\n", "method"),
+    (b"GET / HTTP/9.9\r\n\r\n", "HTTP version"),
+    (b"GET /health HTTP/1.1\r\nx-a: b\x00c\r\n\r\n", "header value"),
+    (b"GET /health HTTP/1.1\r\nx a: b\r\n\r\n", "header token"),
+])
+def test_a_framing_error_is_a_json_400_naming_it(router: Router, request_bytes: bytes, says: str) -> None:
+    reply = raw(router.port, request_bytes)
+    assert reply.status == 400, reply
+    error = reply.error()
+    assert error["code"] == "invalid_http_request" and says in error["message"], error
+    serves(router)
+
+
+def test_a_1_mib_url_is_a_414(router: Router) -> None:
+    reply = raw(router.port, b"GET /v1/models?" + b"a" * MIB + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert reply.status == 414 and reply.error()["code"] == "uri_too_long"
+    serves(router)
+
+
+def test_ten_thousand_headers_are_a_431(router: Router) -> None:
+    headers = b"".join(b"x-h%d: v\r\n" % i for i in range(10_000))
+    reply = raw(router.port, b"GET /health HTTP/1.1\r\nhost: x\r\n" + headers + b"\r\n")
+    assert reply.status == 431 and "more than 100 headers" in reply.error()["message"]
+    serves(router)
+
+
+def test_a_1_mib_header_is_a_431_and_never_reaches_the_backend(router: Router) -> None:
+    reply = raw(router.port, post("/v1/chat/completions", CHAT, "x-big: " + "v" * MIB))
+    assert reply.status == 431 and reply.error()["code"] == "request_header_fields_too_large"
+    serves(router)
+
+
+def test_a_normal_request_over_a_raw_socket_still_passes(router: Router) -> None:
+    reply = raw(router.port, post("/v1/chat/completions", CHAT))
+    assert reply.status == 200 and json.loads(reply.body)["choices"], reply
+
+
+# -- slow and idle connections --------------------------------------------------------------------------
+
+
+def test_a_silent_connection_is_closed_after_the_head_deadline(router: Router) -> None:
+    with socket.create_connection(("127.0.0.1", router.port), timeout=15) as sock:
+        assert _read_all(sock) == b""  # closed by the server (head_timeout_s=2), no answer to nothing
+
+
+def test_a_head_dripped_byte_by_byte_gets_408_at_the_deadline(router: Router) -> None:
+    with socket.create_connection(("127.0.0.1", router.port), timeout=15) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nx-slow: ")
+        stop = threading.Event()
+
+        def drip() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.2):
+                    sock.send(b"a")
+
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        try:
+            reply = _parse(_read_all(sock))
+        finally:
+            stop.set()
+            dripper.join(5)
+    assert reply.status == 408 and "head_timeout_s=2" in reply.error()["message"]
+    serves(router)
+
+
+def test_an_idle_keep_alive_connection_is_closed(router: Router) -> None:
+    with socket.create_connection(("127.0.0.1", router.port), timeout=15) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        received = _read_all(sock)  # the answer, then the close after keep_alive_timeout_s
+    assert received.startswith(b"HTTP/1.1 200")
+
+
+def test_two_hundred_idle_connections_leave_requests_and_model_starts_unaffected(tmp_path: Path) -> None:
+    with started(tmp_path, {**ROUTER, "head_timeout_s": 60}) as router:
+        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(200)]
+        try:
+            for sock in idle[:100]:
+                sock.sendall(b"GET /health HTTP/1.1\r\n")  # half a head: slowloris
+            serves(router)
+            reply = httpx.post(f"{router.url}/v1/chat/completions", json=chat("cold"), timeout=60)  # a cold start
+            assert reply.status_code == 200, reply.text
+        finally:
+            for sock in idle:
+                sock.close()
+        serves(router)
+
+
+def test_a_connection_beyond_max_connections_gets_503_and_is_closed(tmp_path: Path) -> None:
+    with started(tmp_path, {**ROUTER, "max_connections": 20, "head_timeout_s": 30}) as router:
+        held = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(20)]
+        try:
+            for sock in held:  # every one of them is open at the server (it answers each)
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            extra = socket.create_connection(("127.0.0.1", router.port), timeout=15)
+            with extra:
+                reply = _parse(_read_all(extra))
+            assert reply.status == 503 and reply.headers.get("retry-after") == "1"
+            assert reply.error()["code"] == "too_many_connections"
+        finally:
+            for sock in held:
+                sock.close()
+        deadline = time.monotonic() + 15
+        while True:  # the closed ones are gone from the count as soon as the server sees them close
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{router.url}/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        serves(router)
