@@ -156,6 +156,10 @@ class ModelSpec(_Frozen):
     url: str | None = for_launch(None, description="a server elsewhere: proxied and health-checked, never launched")
     health_path: str = for_supervisor("/health", description="path that answers 200 when the backend is ready")
     health_method: Literal["GET", "HEAD"] = for_supervisor("GET", description="HTTP method of the health probe")
+    path_prefix: str = for_router(
+        "", pattern=r"^(/[^/?#]+)*$",
+        description="put before the path of every request to a `command`/`url` backend (OVMS: /v3)",
+    )
     env: dict[str, str] = for_launch(default_factory=dict, description="extra environment for the model process")
     tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = for_engine(
         None, description="form of the model's tool calls; null = detected from the chat template"
@@ -207,6 +211,8 @@ class ModelSpec(_Frozen):
             raise ValueError("give either `command` or `url`, not both")
         if self.command is not None and len(self.command) == 0:
             raise ValueError("`command` must not be empty")
+        if self.path_prefix and self.launches_modelserver:
+            raise ValueError("`path_prefix` is for `command` or `url` backends (the built-in server needs none)")
         if self.launches_modelserver and self.engine == "openvino" and not self.path:
             raise ValueError("`path` is required for engine openvino (a .gguf file or an OpenVINO IR folder)")
         return self

@@ -105,8 +105,8 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
     """One exchange with one process: the status relayed, or None to go again on a fresh process."""
     spec = job.model.spec
     try:
-        resp = await job.pool.request(lease.address, job.req.method, job.req.path, job.req.headers, job.body,
-                                      spec.request_timeout_s)
+        resp = await job.pool.request(lease.address, job.req.method, spec.path_prefix + job.req.path,
+                                      job.req.headers, job.body, spec.request_timeout_s)
     except UpstreamTimeout:
         return await _fail(job, GatewayTimeout(
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))

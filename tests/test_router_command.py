@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 import router.recovery
-from tests.router_helpers import RunningRouter, running_router, write_config
+from router.config import ConfigError, load_config
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -145,3 +146,23 @@ async def test_kill_9_of_a_command_backend_is_reported_as_a_death_with_its_signa
         assert f"pid={killed[0]} exited unexpectedly with code -9 (SIGKILL)" in model["last_error"]
         answer = await r.client.post("/v1/chat/completions", json={**body("/v1/chat/completions"), "stream": False})
         assert answer.status_code == 200
+
+
+async def test_path_prefix_goes_before_every_proxied_path_but_not_the_probe(tmp_path: Path) -> None:
+    ovms = standin("--prefix", "/v3", path_prefix="/v3")  # OVMS serves the OpenAI API under /v3 only
+    bare = standin("--prefix", "/v3")
+    async with running_router(write_config(tmp_path, {"ovms": ovms, "bare": bare})) as r:
+        chat = {**body("/v1/chat/completions", "ovms"), "stream": False}
+        answer = await r.client.post("/v1/chat/completions", json=chat)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ok"
+        missing = await r.client.post("/v1/chat/completions", json={**chat, "model": "bare"})
+        assert missing.status_code == 404  # the same server without path_prefix: the proof the prefix was sent
+
+
+@pytest.mark.parametrize(("model", "problem"), [
+    (fake_model(path_prefix="/v3"), "`path_prefix` is for `command` or `url` backends"),
+    (standin(path_prefix="v3/"), "path_prefix"),
+])
+def test_path_prefix_is_checked(tmp_path: Path, model: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load_config(write_config(tmp_path, {"m": model}))

@@ -1,6 +1,6 @@
 """A stand-in for llama-cpp-python's server (stdlib only): a concurrent request cuts the stream in progress.
 
-    python cutstream.py (--port N | --uds PATH) [--chunks K] [--cut abort|clean] [--no-interrupt]
+    python cutstream.py (--port N | --uds PATH) [--chunks K] [--cut abort|clean] [--no-interrupt] [--prefix /v3]
 
 llama-cpp-python's server (``python -m llama_cpp.server``, ``--interrupt_requests true`` by
 default) ends a stream in progress as soon as another request wants the model, and
@@ -18,6 +18,8 @@ cuts the stream. This stand-in does the same, and its process stays alive.
 - ``GET /health``: 200, takes nothing (llama.cpp's own server has this path).
 - ``GET /stats``: ``{"pid", "models_requests", "cuts", "streams", "holding"}``, takes nothing;
   ``holding``: streams sent their K chunks and wait.
+- ``--prefix /v3``: the ``/v1`` routes answer only under that prefix (as OVMS serves them
+  under ``/v3``); ``/health`` and ``/stats`` stay where they are.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ async def stream(writer: asyncio.StreamWriter, chat: bool) -> bool:
 
 
 async def handle(method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+    if ARGS.prefix and path.startswith("/v1/"):
+        path = "/unprefixed"  # not served without the prefix
+    elif ARGS.prefix and path.startswith(ARGS.prefix + "/v1/"):
+        path = path[len(ARGS.prefix):]
     if path == "/health":
         answer(writer, 200, {"status": "ok"})
     elif path == "/stats":
@@ -149,6 +155,7 @@ async def main() -> None:
     parser.add_argument("--chunks", type=int, default=3)
     parser.add_argument("--cut", choices=("abort", "clean"), default="abort")
     parser.add_argument("--no-interrupt", dest="interrupt", action="store_false")
+    parser.add_argument("--prefix", default="")
     parser.parse_args(namespace=ARGS)
     if ARGS.uds:
         server = await asyncio.start_unix_server(serve, ARGS.uds)
