@@ -5,6 +5,7 @@
     ModelServerError                 every error a client may see (status, type, code)
     ├── RequestError                 400  the request is wrong; the message says what to fix
     │   ├── UnsupportedParameter     400  a known parameter with a value this server cannot honour
+    │   ├── ContextLengthExceeded    400  prompt + completion longer than the model's context
     │   └── BodyTooLarge             413  the body is above ``max_request_mb``
     ├── NotReady                     503  the engine is still loading, or failed to load
     └── EngineError                  500  the engine failed this request; the server keeps serving
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse
 __all__ = [
     "FATAL_HEADER",
     "BodyTooLarge",
+    "ContextLengthExceeded",
     "EngineError",
     "FatalEngineError",
     "LoadError",
@@ -76,6 +78,21 @@ class RequestError(ModelServerError):
 
 class UnsupportedParameter(RequestError):
     code = "unsupported_parameter"
+
+
+class ContextLengthExceeded(RequestError):
+    """OpenAI's 400 for a prompt (and completion) longer than the model's context, naming both numbers."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, context: int, prompt_tokens: int, completion_tokens: int, param: str) -> None:
+        where = "prompt" if param == "prompt" else "messages"
+        super().__init__(
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, {completion_tokens} in "
+            f"the completion). Please reduce the length of the {where} or of the completion (max_tokens).",
+            param=param,
+        )
 
 
 class BodyTooLarge(RequestError):

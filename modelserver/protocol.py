@@ -23,11 +23,13 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from modelserver.errors import RequestError, UnsupportedParameter
@@ -38,6 +40,8 @@ __all__ = [
     "ChatMessage",
     "ChatShape",
     "CompletionRequest",
+    "MAX_JSON_DEPTH",
+    "SEED_RANGE",
     "EmbeddingRequest",
     "TextShape",
     "parse_request",
@@ -46,9 +50,19 @@ __all__ = [
 
 Model = TypeVar("Model", bound=BaseModel)
 
+#: ``seed`` is the engine's ``size_t`` (``GenerationConfig.rng_seed``): 0 .. 2**64 - 1.
+SEED_RANGE = 2**64
+#: ``max_tokens``, ``min_tokens`` and ``top_k`` beyond any model's context (the context check is per model).
+MAX_TOKENS = 2**31 - 1
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+#: Deepest JSON nesting a request body may have (a JSON schema in ``tools`` or ``guided_json`` needs a dozen).
+MAX_JSON_DEPTH = 64
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class ContentPart(_Request):
@@ -128,16 +142,16 @@ class StreamOptions(_Request):
 
 class _Sampling(_Request):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    seed: int | None = Field(None, ge=0, le=SEED_RANGE - 1)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -148,11 +162,14 @@ class _Sampling(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, value: Any) -> Any:
-        if value is None or (isinstance(value, str) and value):
+        if value is None or _stop_ok(value):
             return value
-        if isinstance(value, list) and len(value) <= 16 and all(isinstance(s, str) and s for s in value):
+        if isinstance(value, list) and len(value) <= MAX_STOPS and all(_stop_ok(s) for s in value):
             return value
-        raise ValueError("must be a non-empty string or a list of at most 16 non-empty strings")
+        raise ValueError(
+            f"must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings, "
+            f"each at most {MAX_STOP_CHARS} characters"
+        )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -172,7 +189,7 @@ class _Sampling(_Request):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -257,7 +274,7 @@ _CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -302,6 +319,8 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
+    #: as TEI and Cohere: cut an input longer than the encoder's maximum instead of a 400
+    truncate: bool = False
 
     @field_validator("input", mode="before")
     @classmethod
@@ -316,6 +335,10 @@ class EmbeddingRequest(_Request):
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
+def _stop_ok(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_STOP_CHARS
+
+
 def _unsupported(param: str, message: str) -> RequestError:
     return UnsupportedParameter(f"{param}: {message}", param=param)
 
@@ -328,17 +351,50 @@ def parse_request(body: bytes, model: type[Model]) -> Model:
     if not body.strip():
         raise RequestError("the request body is empty; send a JSON object")
     try:
-        data = json.loads(body)
+        data = json.loads(body)  # C; a nesting past the recursion limit is a RecursionError, not a crash
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise RequestError("the request body is nested too deeply to parse; send a JSON object") from None
+        raise _too_deep(MAX_JSON_DEPTH) from None
+    check_depth(body)  # before pydantic (and whatever reads the values) recurses into it
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+
+
+#: A JSON string, escapes included (its brackets are text, not structure).
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_OPENERS = np.zeros(256, dtype=np.int8)
+_OPENERS[[ord("["), ord("{")]] = 1
+_OPENERS[[ord("]"), ord("}")]] = -1
+
+
+def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 when the arrays and objects of ``body`` (valid JSON) nest deeper than ``limit``.
+
+    Strings are cut out and the brackets left are summed in numpy, so a large flat body costs
+    milliseconds, not a Python loop per bracket. Only for a body that parsed: the string scan
+    is linear on valid JSON (an unterminated string could make it quadratic).
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return
+    brackets = np.frombuffer(_STRINGS.sub(b"", body).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    depth = 0
+    for start in range(0, len(brackets), 1 << 20):
+        levels = np.cumsum(_OPENERS[brackets[start : start + (1 << 20)]], dtype=np.int64) + depth
+        if int(levels.max()) > limit:
+            raise _too_deep(limit)
+        depth = int(levels[-1])
+
+
+def _too_deep(limit: int) -> RequestError:
+    return RequestError(
+        f"the request body is nested too deeply: more than {limit} levels of arrays/objects; send a flatter JSON object"
+    )
 
 
 def _location(loc: tuple[int | str, ...]) -> str:

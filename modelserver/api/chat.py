@@ -45,6 +45,7 @@ from modelserver.api.toolplan import chat_plan
 from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams, TextGenerator, TextStream
 from modelserver.errors import ModelServerError, RequestError, UnsupportedParameter, error_body
 from modelserver.protocol import (
+    SEED_RANGE,
     ChatCompletionRequest,
     ChatMessage,
     ChatShape,
@@ -107,8 +108,10 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 
 def sampling(body: Body, default_max_tokens: int) -> SamplingParams:
+    requested = body.requested_max_tokens()
     return SamplingParams(
-        max_tokens=body.requested_max_tokens() or default_max_tokens,
+        max_tokens=requested or default_max_tokens,
+        fit_to_context=requested is None,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -199,11 +202,12 @@ def _usage(runs: list[Run]) -> dict[str, int]:
 
 
 def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """``n`` generations of one request; with n > 1 each samples with its own seed."""
+    """``n`` generations of one request; with n > 1 each samples with its own seed (wrapping in the seed's range)."""
     if n == 1:
         return [generation]
     base = generation.sampling.seed if generation.sampling.seed is not None else random.randrange(2**31)
-    return [replace(generation, sampling=replace(generation.sampling, seed=base + i)) for i in range(n)]
+    seeds = [(base + i) % SEED_RANGE for i in range(n)]
+    return [replace(generation, sampling=replace(generation.sampling, seed=seed)) for seed in seeds]
 
 
 async def _respond(request: Request, body: Body, generation: GenerationRequest, shape: Shape,

@@ -57,7 +57,11 @@ class ChatTurn:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """OpenAI sampling parameters, already validated. ``None`` means "the model's default"."""
+    """OpenAI sampling parameters, already validated. ``None`` means "the model's default".
+
+    ``fit_to_context``: the request gave no ``max_tokens``, so ``max_tokens`` (the model's
+    default) shrinks to what the context leaves instead of refusing the request.
+    """
 
     max_tokens: int
     temperature: float | None = None
@@ -69,6 +73,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
+    fit_to_context: bool = False
 
 
 @dataclass(frozen=True, slots=True)

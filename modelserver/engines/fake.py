@@ -1,7 +1,8 @@
 """The built-in deterministic engine (``engine: fake``): fast process tests without a model.
 
 It echoes the last user message (or the prompt) word by word, ``fake.token_delay_s``
-apart, after a load of ``fake.load_s``; usage counts are words. Markers in that text inject
+apart, after a load of ``fake.load_s``; usage counts are words. ``options.context_length``
+(words; none when unset) is checked as the real engine checks its context. Markers in that text inject
 faults, checked when a request starts:
 
 - ``[[crash]]``  the process exits at once (``os._exit``), as a segfaulting driver would;
@@ -58,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
+from modelserver.engines.context import fit_context
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 from modelserver.structured import Grammar, TagSpec, ToolGrammar, tool_call_grammar
@@ -301,11 +303,13 @@ class FakeTextGenerator:
         text = request.last_user_text()
         inject_faults(text)
         prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+        param = "messages" if request.messages is not None else "prompt"
+        max_tokens = fit_context(prompt_words, request.sampling, self._spec.options.get("context_length"), param)
         answer = structured_answer(request, self.tool_parser)
         words = _continue(text.split(), request) if answer is None else _pieces(answer)
         continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip())
         return FakeStream(
-            words, prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters,
+            words, prompt_words, max_tokens, self._spec.fake.token_delay_s, self._counters,
             joined=answer is not None, continued=continued, fault=_mid_stream_fault(text, request.continue_final),
         )
 

@@ -20,12 +20,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
+from modelserver.engines.context import PromptCounter, configured_context, context_length
 from modelserver.engines.ov_options import (
     ModelSource,
     finish_conversion,
@@ -34,6 +35,7 @@ from modelserver.engines.ov_options import (
     prepare_source,
     scheduler_config,
 )
+from modelserver.engines.task_options import task_options
 from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.spec import ModelSpec
 from modelserver.structured import ov_structured_output
@@ -45,6 +47,8 @@ __all__ = ["OpenVINOTextGenerator", "Pump", "load"]
 log = logging.getLogger(__name__)
 
 Event = tuple[list[int], FinishReason | None] | BaseException
+#: ``options`` of task llm (and vlm): ``context_length`` lowers the model's own.
+OPTIONS: dict[str, type | tuple[type, ...]] = {"context_length": int}
 _FINISH = {"STOP": "stop", "LENGTH": "length", "TOOL_CALL": "stop"}
 
 
@@ -253,7 +257,8 @@ class LLMStream:
 class OpenVINOTextGenerator:
     """A loaded ContinuousBatchingPipeline behind the :class:`~modelserver.engines.base.TextGenerator` protocol."""
 
-    def __init__(self, spec: ModelSpec, pipe: Any, source: ModelSource, properties: dict[str, Any], load_s: float):
+    def __init__(self, spec: ModelSpec, pipe: Any, source: ModelSource, properties: dict[str, Any], load_s: float,
+                 context: int | None = None):
         self._spec = spec
         self._properties = properties
         self._pipe = pipe
@@ -265,6 +270,8 @@ class OpenVINOTextGenerator:
         self._load_s = load_s
         self._ids = itertools.count(1)
         self.reports_logprobs = True
+        self._counter = PromptCounter(self._tokenizer, context)  # a GGUF's tokenizer cuts at 8192 tokens
+        self.context_length = self._counter.context_length
         self._pump = Pump(pipe)
         self._pump.start()
 
@@ -275,6 +282,8 @@ class OpenVINOTextGenerator:
             "source": f"{self._source.path} ({self._source.kind})",
             "load_s": round(self._load_s, 2),
             "eos_token_id": self._defaults.eos_token_id,
+            "context_length": self.context_length,
+            "tokenizer_cap": self._counter.cap,
             "chat_template": bool(self._tokenizer.chat_template),
             "tool_parser": self.tool_parser,
             "template_takes_tools": self._template_tools,
@@ -294,12 +303,15 @@ class OpenVINOTextGenerator:
         self._pump.halt()
 
     def generate(self, request: GenerationRequest) -> LLMStream:
-        ticket = Ticket(next(self._ids), self._tokenize(request), self._generation_config(request), _noop)
+        """Tokenize once, check the context (a 400 before anything reaches the pipeline), then submit."""
+        prompt, special = self._render(request)
+        param = "messages" if request.messages is not None else "prompt"
+        input_ids, _, max_new = self._counter.fit(prompt, special, request.sampling, param)
+        config = generation_config(replace(request.sampling, max_tokens=max_new), self._defaults, request.constraint)
+        ticket = Ticket(next(self._ids), input_ids, config, _noop)
         if request.logprobs:
             ticket.config.logprobs = 1
             ticket.logprobs = []
-        if int(ticket.input_ids.shape[1]) == 0:
-            raise RequestError("the prompt is empty after tokenization", param="messages")
         events: asyncio.Queue[Event] = asyncio.Queue()
         ticket.deliver = _deliverer(asyncio.get_running_loop(), events)
         self._pump.submit(ticket)
@@ -308,9 +320,10 @@ class OpenVINOTextGenerator:
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _tokenize(self, request: GenerationRequest) -> Any:
+    def _render(self, request: GenerationRequest) -> tuple[str, bool]:
+        """The prompt text, and whether the tokenizer adds its special tokens (a raw completion's BOS)."""
         if request.messages is None:
-            return self._tokenizer.encode(request.prompt or "", add_special_tokens=True).input_ids
+            return request.prompt or "", True
         history, tools = chat_history(request, self._template_tools, self.tool_parser)
         try:
             if request.continue_final:
@@ -321,10 +334,7 @@ class OpenVINOTextGenerator:
             raise
         except Exception as exc:
             raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
-        return self._tokenizer.encode(prompt, add_special_tokens=False).input_ids
-
-    def _generation_config(self, request: GenerationRequest) -> Any:
-        return generation_config(request.sampling, self._defaults, request.constraint)
+        return str(prompt), False
 
 
 def chat_history(request: Any, template_tools: bool, parser: str = "") -> tuple[list[dict[str, Any]], Any]:
@@ -422,7 +432,9 @@ def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, 
 def load(spec: ModelSpec) -> OpenVINOTextGenerator:
     """Load ``spec`` onto its device; :class:`LoadError` with one readable line when it cannot."""
     started = time.monotonic()
+    option = task_options(spec, OPTIONS).get("context_length")
     source = prepare_source(spec)
+    context = configured_context(spec.name, context_length(source.original or source.path), option)
     properties = ov_properties(spec)
     try:
         pipe = _build_pipeline(spec, source, properties)
@@ -431,4 +443,4 @@ def load(spec: ModelSpec) -> OpenVINOTextGenerator:
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
     finish_conversion(source)
-    return OpenVINOTextGenerator(spec, pipe, source, properties, time.monotonic() - started)
+    return OpenVINOTextGenerator(spec, pipe, source, properties, time.monotonic() - started, context)

@@ -15,17 +15,19 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import openvino as ov
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest
-from modelserver.engines.llm import chat_history, generation_config
+from modelserver.engines.context import PromptCounter, configured_context, context_length
+from modelserver.engines.llm import OPTIONS, chat_history, generation_config
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
-from modelserver.errors import LoadError
+from modelserver.errors import LoadError, RequestError
 from modelserver.spec import ModelSpec
 from modelserver.tools import detect_parser, template_takes_tools
 
@@ -75,11 +77,14 @@ class VisionStream:
 
 
 class OpenVINOVisionGenerator:
-    def __init__(self, spec: ModelSpec, pipe: Any, load_s: float) -> None:
+    def __init__(self, spec: ModelSpec, pipe: Any, load_s: float, context: int | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
         self._defaults = pipe.get_generation_config()
-        template = pipe.get_tokenizer().chat_template
+        self._tokenizer = pipe.get_tokenizer()
+        self._counter = PromptCounter(self._tokenizer, context)
+        self.context_length = self._counter.context_length
+        template = self._tokenizer.chat_template
         self._template_tools = template_takes_tools(template)
         self.tool_parser = spec.tool_parser or detect_parser(template)
         self._load_s = load_s
@@ -93,6 +98,7 @@ class OpenVINOVisionGenerator:
             "engine": "openvino VLMPipeline",
             "device": self._spec.device,
             "eos_token_id": self._defaults.eos_token_id,
+            "context_length": self.context_length,
             "load_s": round(self._load_s, 2),
         }
 
@@ -103,22 +109,34 @@ class OpenVINOVisionGenerator:
         self._worker.close()
 
     def generate(self, request: VisionRequest | GenerationRequest) -> VisionStream:
-        """A chat (with images) or, for ``/v1/completions``, a raw prompt without the chat template."""
-        config = generation_config(request.sampling, self._defaults, getattr(request, "constraint", None))
+        """A chat (with images) or, for ``/v1/completions``, a raw prompt without the chat template.
+
+        The context check counts the prompt's text (the chat template applied, each image's tag
+        as text): the tokens an image becomes are known only to the pipeline.
+        """
         prompt: Any = request.prompt if isinstance(request, GenerationRequest) else None
         if prompt is None:
             history, tools = chat_history(request, self._template_tools, self.tool_parser)
+            try:
+                text = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
+            except Exception as exc:
+                raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
+            _, _, max_new = self._counter.fit(str(text), False, request.sampling, "messages")
             prompt = ov_genai.ChatHistory(history)
             if tools:
                 prompt.set_tools(tools)
         else:
+            _, _, max_new = self._counter.fit(prompt, True, request.sampling, "prompt")
+        sampling = replace(request.sampling, max_tokens=max_new)
+        config = generation_config(sampling, self._defaults, getattr(request, "constraint", None))
+        if isinstance(request, GenerationRequest):
             config.apply_chat_template = False
         images = [ov.Tensor(image[None]) for image in getattr(request, "images", ())]
         events: asyncio.Queue[Event] = asyncio.Queue()
         cancelled = threading.Event()
         deliver = _deliverer(asyncio.get_running_loop(), events)
         self._worker.submit(lambda: self._run(prompt, images, config, deliver, cancelled))
-        return VisionStream(events, cancelled, request.sampling.max_tokens)
+        return VisionStream(events, cancelled, max_new)
 
     def _run(self, prompt: Any, images: list[Any], config: Any, deliver: Callable[[Event], None],
              cancelled: threading.Event) -> None:
@@ -161,9 +179,10 @@ def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) ->
 def load(spec: ModelSpec) -> OpenVINOVisionGenerator:
     started = time.monotonic()
     path = ir_folder(spec, ("openvino_language_model.xml", "openvino_tokenizer.xml"))
-    task_options(spec, {})
+    option = task_options(spec, OPTIONS).get("context_length")
+    context = configured_context(spec.name, context_length(path), option)
     try:
         pipe = ov_genai.VLMPipeline(str(path), spec.device, **ov_properties(spec))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started)
+    return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started, context)

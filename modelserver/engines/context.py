@@ -1,0 +1,224 @@
+"""A text model's context length, and how a request's prompt and ``max_tokens`` fit in it (no OpenVINO).
+
+Where the number comes from, per model (:func:`context_length`):
+
+- a ``.gguf``: its metadata ``<general.architecture>.context_length`` (read from the file's header
+  with a minimal reader of the GGUF key/value section, :func:`gguf_context_length`);
+- an OpenVINO IR folder: ``config.json`` ``max_position_embeddings`` (or the language model's,
+  ``text_config.max_position_embeddings``, for a VLM; ``n_positions`` / ``seq_length`` /
+  ``max_seq_len`` where a model names it so);
+- the ``options.context_length`` of the model, which may only lower it: a larger value is a
+  load error naming both numbers (a model cannot attend past what it was trained on).
+
+A tokenizer may also cut its output at a fixed length (openvino_genai's tokenizer of a GGUF
+stops at 8192 tokens whatever ``max_length`` says): :func:`truncation_cap` finds that cap at
+load, the effective context is the smaller of the two, and a prompt that reaches the cap is
+counted again in pieces (:func:`chunks`) so the 400 names its real size and no prompt is
+ever silently cut.
+
+:func:`fit_context` is the check itself (pure): prompt + ``max_tokens`` must fit; without
+``max_tokens`` the completion is capped at what the context leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from modelserver.engines.base import SamplingParams
+from modelserver.errors import ContextLengthExceeded, LoadError, RequestError
+
+__all__ = [
+    "PromptCounter",
+    "chunks",
+    "configured_context",
+    "context_length",
+    "fit_context",
+    "gguf_context_length",
+    "truncation_cap",
+]
+
+log = logging.getLogger(__name__)
+
+
+def fit_context(prompt_tokens: int, sampling: SamplingParams, context: int | None, prompt_param: str) -> int:
+    """``max_new_tokens`` for this request; :class:`ContextLengthExceeded` when it cannot fit.
+
+    ``sampling.fit_to_context`` (no ``max_tokens`` in the request): the default limit shrinks to
+    what the context leaves, and only a prompt that leaves no room at all is refused.
+    """
+    limit = sampling.max_tokens
+    if context is not None:
+        room = context - prompt_tokens
+        if room < 1:  # the prompt alone fills the context: no token could be generated
+            asked = 1 if sampling.fit_to_context else limit
+            raise ContextLengthExceeded(context, prompt_tokens, asked, prompt_param)
+        if sampling.fit_to_context:
+            limit = min(limit, room)
+        elif limit > room:
+            raise ContextLengthExceeded(context, prompt_tokens, limit, "max_tokens")
+    if sampling.min_tokens is not None and sampling.min_tokens > limit:
+        raise RequestError(
+            f"min_tokens: must be at most the completion's limit of {limit} tokens, got {sampling.min_tokens}",
+            param="min_tokens",
+        )
+    return limit
+
+
+class PromptCounter:
+    """A prompt's length in tokens, uncut: an openvino_genai ``Tokenizer`` and the context it serves.
+
+    ``context_length`` is the smaller of the model's (``context``) and the tokenizer's cut
+    (:func:`truncation_cap`); :meth:`fit` tokenizes once and returns the ids and ``max_new_tokens``.
+    """
+
+    def __init__(self, tokenizer: Any, context: int | None) -> None:
+        self._tokenizer = tokenizer
+        self.cap = truncation_cap(self.count)
+        self._special_tokens = self.count("", special=True)
+        self.context_length = min((n for n in (context, self.cap) if n is not None), default=None)
+
+    def count(self, text: str, special: bool = False) -> int:
+        return int(self._tokenizer.encode(text, add_special_tokens=special).input_ids.shape[1])
+
+    def fit(self, prompt: str, special: bool, sampling: SamplingParams, param: str) -> tuple[Any, int, int]:
+        """``(input_ids, prompt_tokens, max_new_tokens)``; a 400 for an empty prompt or one that does not fit."""
+        input_ids = self._tokenizer.encode(prompt, add_special_tokens=special).input_ids
+        prompt_tokens = int(input_ids.shape[1])
+        if prompt_tokens == 0:
+            raise RequestError("the prompt is empty after tokenization", param=param)
+        if self.cap is not None and prompt_tokens >= self.cap:  # cut by the tokenizer: count it whole
+            prompt_tokens = self._full_count(prompt, special)
+        return input_ids, prompt_tokens, fit_context(prompt_tokens, sampling, self.context_length, param)
+
+    def _full_count(self, prompt: str, special: bool) -> int:
+        """The tokens of ``prompt`` however long (in pieces below the tokenizer's cap, 256 pieces a call)."""
+        pieces, total = list(chunks(prompt)), self._special_tokens if special else 0
+        for start in range(0, len(pieces), 256):
+            mask = self._tokenizer.encode(pieces[start : start + 256], add_special_tokens=False).attention_mask
+            total += int(np.asarray(mask.data).sum())
+        return total
+
+
+# -- the model's own number ---------------------------------------------------------------------
+
+_CONFIG_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def context_length(path: Path) -> int | None:
+    """The context length ``path`` (a ``.gguf`` or an IR folder) declares; None when it declares none."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_context_length(path)
+    config = path / "config.json" if path.is_dir() else path.parent / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for section in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
+        for key in _CONFIG_KEYS:
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def configured_context(name: str, model_context: int | None, option: Any) -> int | None:
+    """The context to enforce: the model's, lowered by ``options.context_length``; a larger option fails the load."""
+    if option is None:
+        return model_context
+    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+        raise LoadError(f"models.{name}.options.context_length: expected an integer >= 1, got {option!r}")
+    if model_context is not None and option > model_context:
+        raise LoadError(
+            f"models.{name}.options.context_length: {option} is above the model's own context length of "
+            f"{model_context} tokens (the option may only lower it)"
+        )
+    return option
+
+
+def truncation_cap(count: Callable[[str], int]) -> int | None:
+    """The length at which the tokenizer behind ``count`` silently cuts its output; None when it does not."""
+    unit = "The quick brown fox jumps over the lazy dog. "
+    small = count(unit * 64)
+    big = count(unit * 64 * 256)  # ~ 2.5 million tokens' worth of text would be slow; 256x is ~ 150k tokens
+    return big if big < small * 200 else None
+
+
+def chunks(text: str, size: int = 1024) -> Iterator[str]:
+    """``text`` in pieces of at most ``size`` characters, cut before a space where one is near.
+
+    A byte-level BPE pre-tokenizer splits before such a space anyway, so the pieces' token
+    counts add up to the whole text's (other tokenizers: within a token per piece).
+    """
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text) and (space := text.rfind(" ", start + 1, end)) > start:
+            end = space
+        yield text[start:end]
+        start = end
+
+
+# -- GGUF metadata --------------------------------------------------------------------------------
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_context_length(path: Path) -> int | None:
+    """``<arch>.context_length`` from a GGUF file's key/value header; None when absent or unreadable."""
+    try:
+        with path.open("rb") as f:
+            return _read_context(f)
+    except (OSError, ValueError, struct.error) as exc:
+        log.warning("cannot read the context length of %s: %s", path, exc)
+        return None
+
+
+def _read_context(f: IO[bytes]) -> int | None:
+    if f.read(4) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    (version,) = struct.unpack("<I", f.read(4))
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    _tensors, count = struct.unpack("<QQ", f.read(16))
+    values: dict[str, Any] = {}
+    for _ in range(count):
+        key = _string(f)
+        (kind,) = struct.unpack("<I", f.read(4))
+        values[key] = _value(f, kind)
+        arch = values.get("general.architecture")
+        found = values.get(f"{arch}.context_length") if isinstance(arch, str) else None
+        if isinstance(found, int) and found > 0:
+            return found
+    return None
+
+
+def _string(f: IO[bytes]) -> str:
+    (size,) = struct.unpack("<Q", f.read(8))
+    if size > 1 << 24:
+        raise ValueError("implausible string length in the GGUF header")
+    return f.read(size).decode("utf-8", errors="replace")
+
+
+def _value(f: IO[bytes], kind: int) -> Any:
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+    if kind == _STRING:
+        return _string(f)
+    if kind == _ARRAY:
+        item, size = struct.unpack("<IQ", f.read(12))
+        if item in _SCALARS:  # skipped, not read: token tables are large
+            f.seek(struct.calcsize(_SCALARS[item]) * size, 1)
+        else:
+            for _ in range(size):
+                _value(f, item)
+        return None
+    raise ValueError(f"unknown GGUF value type {kind}")
