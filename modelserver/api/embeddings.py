@@ -1,6 +1,9 @@
 """``/v1/embeddings`` (task embeddings): one vector per input, ``float`` or ``base64`` encoded.
 
-``base64`` is little-endian float32, which is what the official SDK asks for by default.
+``base64`` is little-endian float32, which is what the official SDK asks for by default. An
+input above the encoder's maximum is a 400 ``context_length_exceeded`` (as OpenAI answers it),
+unless the request sends ``truncate: true`` (as TEI and Cohere accept): then its first tokens
+are embedded.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ async def embeddings(request: Request) -> Response:
     texts = body.texts()
     try:
         with engine_errors(runtime(request)):
-            result = await until_disconnect(request, embedder.embed(texts))
+            result = await until_disconnect(request, embedder.embed(texts, body.truncate))
     except ClientGone:
         note(request, finish="cancelled")
         return Response(status_code=499)

@@ -3,7 +3,8 @@
 Request: ``query``, ``documents`` (strings, or objects with a ``text``), ``top_n``,
 ``return_documents`` (default false, as Cohere). Response: ``results`` best first, each
 ``{"index", "relevance_score"}`` plus ``"document": {"text"}`` when asked, and ``usage``.
-``/v2/rerank`` (Cohere v2's path) is the same handler.
+``/v2/rerank`` (Cohere v2's path) is the same handler. A query + document above the encoder's
+maximum is a 400 ``context_length_exceeded`` unless the request sends ``truncate: true``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ __all__ = ["RerankRequest", "rerank_body", "routes"]
 
 
 class RerankRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     model: str | None = None
     query: str = Field(..., min_length=1)
     documents: list[str] = Field(..., min_length=1)
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = False
+    #: a query + document above the encoder's maximum is cut instead of a 400 (TEI's field)
+    truncate: bool = False
 
     @field_validator("documents", mode="before")
     @classmethod
@@ -64,7 +67,7 @@ async def rerank(request: Request) -> Response:
     reranker = engine_as(request, Reranker)
     try:
         with engine_errors(runtime(request)):
-            result = await until_disconnect(request, reranker.rerank(body.query, body.documents))
+            result = await until_disconnect(request, reranker.rerank(body.query, body.documents, body.truncate))
     except ClientGone:
         note(request, finish="cancelled")
         return Response(status_code=499)

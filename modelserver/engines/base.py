@@ -152,4 +152,6 @@ class EmbeddingResult:
 class Embedder(Engine, Protocol):
     """Task ``embeddings``: one vector per input text, in input order."""
 
-    async def embed(self, texts: Sequence[str]) -> EmbeddingResult: ...
+    async def embed(self, texts: Sequence[str], truncate: bool = False) -> EmbeddingResult:
+        """Vectors of ``texts``; a 400 for a text above the encoder's maximum unless ``truncate``."""
+        ...

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,6 +36,8 @@ from modelserver.errors import ContextLengthExceeded, LoadError, RequestError
 
 __all__ = [
     "PromptCounter",
+    "check_inputs",
+    "token_counts",
     "chunks",
     "configured_context",
     "context_length",
@@ -104,6 +106,43 @@ class PromptCounter:
             mask = self._tokenizer.encode(pieces[start : start + 256], add_special_tokens=False).attention_mask
             total += int(np.asarray(mask.data).sum())
         return total
+
+
+def token_counts(tokenizer: Any, texts: Sequence[str], special: bool = True, budget_chars: int = 1 << 22) -> list[int]:
+    """Each text's token count, encoded in groups of similar length whose padded size stays near
+    ``budget_chars`` (one long input among many short ones must not pad them all to its length)."""
+    counts = [0] * len(texts)
+    group: list[int] = []
+
+    def flush() -> None:
+        mask = tokenizer.encode([texts[i] for i in group], add_special_tokens=special).attention_mask
+        for i, count in zip(group, np.asarray(mask.data).sum(axis=1), strict=True):
+            counts[i] = int(count)
+        group.clear()
+
+    for i in sorted(range(len(texts)), key=lambda i: -len(texts[i])):
+        if group and (len(group) + 1) * max(len(texts[group[0]]), 1) > budget_chars:
+            flush()
+        group.append(i)
+    if group:
+        flush()
+    return counts
+
+
+def check_inputs(counts: list[int], maximum: int | None, param: str, truncate: bool) -> None:
+    """400 ``context_length_exceeded`` for the first input longer than an encoder's ``maximum`` tokens,
+    unless the request asked for ``truncate`` (then the pipeline embeds or scores the first ``maximum``)."""
+    if truncate or maximum is None:
+        return
+    for index, count in enumerate(counts):
+        if count > maximum:
+            where = param if len(counts) == 1 and param == "input" else f"{param}[{index}]"
+            raise RequestError(
+                f"{where}: {count} tokens, above this model's maximum input of {maximum} tokens; shorten it, "
+                f'or send "truncate": true to use its first {maximum} tokens',
+                param=param,
+                code="context_length_exceeded",
+            )
 
 
 # -- the model's own number ---------------------------------------------------------------------

@@ -8,7 +8,9 @@ back. ``usage.prompt_tokens`` counts the model's own tokens (the tokenizer's att
 mask, capped at ``max_length``).
 
 ``options`` (all optional): ``pooling`` (cls | mean | last_token), ``normalize`` (L2),
-``max_length``, ``pad_to_max_length``, ``padding_side``, ``batch_size``,
+``max_length`` (default: what the folder declares, else ``config.json``
+``max_position_embeddings``; an input above it is a 400 unless the request sends
+``truncate: true``), ``pad_to_max_length``, ``padding_side``, ``batch_size``,
 ``query_instruction`` and ``embed_instruction`` (prefixes the model was trained with; the
 OpenAI API has no query/document distinction, so inputs are embedded as documents),
 ``batch_wait_ms`` (default 2) and ``max_batch`` (inputs per pipeline call, default 32).
@@ -24,11 +26,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import EmbeddingResult
 from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions
+from modelserver.engines.context import check_inputs, context_length, token_counts
 from modelserver.engines.media_base import SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.st_metadata import declared_options
@@ -119,7 +121,9 @@ class OpenVINOEmbedder:
     def close(self) -> None:
         self._worker.close()
 
-    async def embed(self, texts: Sequence[str]) -> EmbeddingResult:
+    async def embed(self, texts: Sequence[str], truncate: bool = False) -> EmbeddingResult:
+        if not truncate:
+            check_inputs(token_counts(self._tokenizer, texts), self._config.max_length, "input", truncate)
         rows = await self._batcher.submit(texts)
         return EmbeddingResult(vectors=[vector for vector, _ in rows], prompt_tokens=sum(count for _, count in rows))
 
@@ -128,11 +132,8 @@ class OpenVINOEmbedder:
         return [(list(map(float, v)), count) for v, count in zip(vectors, self._counts(texts), strict=True)]
 
     def _counts(self, texts: list[str]) -> list[int]:
-        mask = np.asarray(self._tokenizer.encode(texts).attention_mask.data)
-        counts = mask.sum(axis=1)
-        if self._config.max_length:
-            counts = np.minimum(counts, self._config.max_length)
-        return [int(count) for count in counts]
+        limit = self._config.max_length or None
+        return [min(count, limit or count) for count in token_counts(self._tokenizer, texts)]
 
 
 def load(spec: ModelSpec) -> OpenVINOEmbedder:
@@ -143,6 +144,8 @@ def load(spec: ModelSpec) -> OpenVINOEmbedder:
     if declared:
         log.info("%s declares %s (sentence-transformers files; explicit options win)", path, declared)
     config = pipeline_config(spec, declared)
+    if not config.max_length:  # the encoder's own limit: enforced per request (400, or cut with truncate: true)
+        config.max_length = context_length(path)
     batching = batch_options(spec, spec.options)
     try:
         pipe = ov_genai.TextEmbeddingPipeline(str(path), spec.device, config, **ov_properties(spec))

@@ -2,7 +2,8 @@
 
 It echoes the last user message (or the prompt) word by word, ``fake.token_delay_s``
 apart, after a load of ``fake.load_s``; usage counts are words. ``options.context_length``
-(words; none when unset) is checked as the real engine checks its context. Markers in that text inject
+(words; none when unset) is checked as the real engine checks its context, and fake embeddings
+and reranking refuse inputs above ``options.max_length`` words the same way. Markers in that text inject
 faults, checked when a request starts:
 
 - ``[[crash]]``  the process exits at once (``os._exit``), as a segfaulting driver would;
@@ -59,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
-from modelserver.engines.context import fit_context
+from modelserver.engines.context import check_inputs, fit_context
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 from modelserver.structured import Grammar, TagSpec, ToolGrammar, tool_call_grammar
@@ -337,9 +338,10 @@ class FakeEmbedder:
     def close(self) -> None:
         pass
 
-    async def embed(self, texts: Sequence[str]) -> EmbeddingResult:
+    async def embed(self, texts: Sequence[str], truncate: bool = False) -> EmbeddingResult:
         for text in texts:
             inject_faults(text)
+        check_inputs([len(text.split()) for text in texts], self._spec.options.get("max_length"), "input", truncate)
         await asyncio.sleep(self._spec.fake.token_delay_s)
         self._counters.completed += 1
         vectors = [fake_vector(text, self._spec.fake.dims) for text in texts]

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from modelserver.engines.base import GenerationRequest
+from modelserver.engines.context import check_inputs
 from modelserver.engines.fake import (
     FakeStream,
     FakeTextGenerator,
@@ -83,8 +84,10 @@ class _FakeBase:
 
 
 class FakeReranker(_FakeBase):
-    async def rerank(self, query: str, documents: Sequence[str]) -> RerankResult:
+    async def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> RerankResult:
         inject_faults(query)
+        pairs = [len(query.split()) + len(doc.split()) for doc in documents]
+        check_inputs(pairs, self._spec.options.get("max_length"), "documents", truncate)
         await self._pause()
         dims = self._spec.fake.dims
         anchor = np.asarray(fake_vector(query, dims))

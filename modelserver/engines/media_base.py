@@ -57,7 +57,9 @@ class RerankResult:
 class Reranker(Engine, Protocol):
     """Task ``rerank``: a relevance score of every document for the query."""
 
-    async def rerank(self, query: str, documents: Sequence[str]) -> RerankResult: ...
+    async def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> RerankResult:
+        """Every document scored; a 400 for a query + document above the encoder's maximum unless ``truncate``."""
+        ...
 
 
 # -- transcription ------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ call: openvino_genai 2026.4's pipeline over the test model's tokenizer aborts th
 size ("cat on a mat" with five short documents does; "x" with six does not), so a merged
 call could crash on requests that each pass alone.
 
+A query + document longer than ``max_length`` (default: ``config.json``
+``max_position_embeddings``) is a 400 unless the request sends ``truncate: true`` (counted as
+query + document + the pair's special tokens).
+
 ``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
 ``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32).
 """
@@ -27,6 +31,7 @@ import numpy as np
 import openvino_genai as ov_genai
 
 from modelserver.engines.batching import Batcher, BatchOptions
+from modelserver.engines.context import check_inputs, context_length, token_counts
 from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
@@ -53,10 +58,13 @@ ALL_DOCUMENTS = 1 << 30
 
 class OpenVINOReranker:
     def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, load_s: float,
-                 batching: BatchOptions | None = None) -> None:
+                 batching: BatchOptions | None = None, max_length: int | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
         self._tokenizer = tokenizer
+        self._max_length = max_length
+        #: the special tokens of a query-document pair ([CLS] q [SEP] d [SEP]): one input's, plus a separator
+        self._pair_tokens = int(np.asarray(tokenizer.encode([""]).attention_mask.data).sum()) + 1
         self._load_s = load_s
         self._worker = SerialWorker(f"rerank-{spec.name}")
         self._batching = batching or BatchOptions()
@@ -72,7 +80,11 @@ class OpenVINOReranker:
     def close(self) -> None:
         self._worker.close()
 
-    async def rerank(self, query: str, documents: Sequence[str]) -> RerankResult:
+    async def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> RerankResult:
+        if not truncate and self._max_length is not None:
+            query_tokens, *counts = token_counts(self._tokenizer, [query, *documents], special=False)
+            pairs = [query_tokens + count + self._pair_tokens for count in counts]
+            check_inputs(pairs, self._max_length, "documents", truncate)
         (result,) = await self._batcher.submit([(query, list(documents))])
         return result
 
@@ -85,11 +97,10 @@ class OpenVINOReranker:
 
     def _counts(self, jobs: list[Job]) -> list[int]:
         texts = [text for query, documents in jobs for text in (query, *documents)]
-        mask = np.asarray(self._tokenizer.encode(texts, add_special_tokens=False).attention_mask.data)
-        counts, start, totals = mask.sum(axis=1), 0, []
+        counts, start, totals = token_counts(self._tokenizer, texts, special=False), 0, []
         for _, documents in jobs:
             end = start + 1 + len(documents)
-            totals.append(int(counts[start]) * len(documents) + int(counts[start + 1 : end].sum()))
+            totals.append(counts[start] * len(documents) + sum(counts[start + 1 : end]))
             start = end
         return totals
 
@@ -104,9 +115,12 @@ def load(spec: ModelSpec) -> OpenVINOReranker:
         if key not in BATCHING:
             setattr(config, key, value)
     config.top_n = ALL_DOCUMENTS
+    max_length = options.get("max_length") or context_length(path)
+    if max_length:
+        config.max_length = max_length  # the pipeline's cut, for requests that ask for it (truncate: true)
     try:
         pipe = ov_genai.TextRerankPipeline(str(path), spec.device, config, **ov_properties(spec))
         tokenizer = ov_genai.Tokenizer(str(path))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started, batching)
+    return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started, batching, max_length)
