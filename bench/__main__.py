@@ -41,6 +41,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "memory": ("bench.memory", "Memory: router and model servers, and what a stop gives back"),
     "memory_sched": ("bench.memory_sched", "Memory-aware loading vs max_loaded_models (skewed mix)"),
     "scale": ("bench.scale", "Scale: 100 configured models"),
+    "hostile": ("bench.hostile", "Hostile load: large uploads and idle connections"),
     "llm_throughput": ("bench.external", "Model server vs bare pipeline (bench/llm_throughput.py)"),
     "embeddings": ("bench.external", "Embeddings and other tasks (bench/embeddings.py)"),
 }
