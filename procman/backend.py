@@ -90,6 +90,7 @@ class Backend:
         self._start_began = 0.0
         self._abort: asyncio.Event | None = None
         self._helpers: dict[str, asyncio.Task[Any]] = {}
+        self._kill_why: tuple[int | None, str] | None = None  # (generation, why) of a restart the caller explained
 
     # -- what others read --------------------------------------------------------------------
 
@@ -217,8 +218,9 @@ class Backend:
         """
         await self._ask(m.Stop(reason, drain))
 
-    def restart(self, reason: str, *, generation: int | None = None) -> asyncio.Future[None]:
+    def restart(self, reason: str, *, generation: int | None = None, why: str | None = None) -> asyncio.Future[None]:
         """Replace the process now (no drain). With ``generation``, only if that process is still the READY one.
+        ``why``: what the caller saw, for ``last_error`` (a ``hang`` is otherwise put as failed health probes).
 
         The command is queued when called (a caller that does not await it still gets it in
         before any later request); await the result to wait until the backend settles.
@@ -227,6 +229,8 @@ class Backend:
         fails for a failed relaunch: the error is in ``last_error`` and the next
         ``ensure_ready`` reports it.
         """
+        if why is not None:
+            self._kill_why = (generation, why)
         reply = self._post(m.Restart(reason, generation), want_reply=True)
         assert reply is not None
         reply.add_done_callback(_retrieve)
@@ -512,7 +516,9 @@ class Backend:
             log.warning("%s", error)
             self.last_error = error + ("; last log lines:\n" + "\n".join(tail) if tail else "")
             return
-        self.last_error = f"{self.name} pid={pid} was killed: {self._fault_words(effect.reason)}"
+        told, self._kill_why = self._kill_why, None
+        why = told[1] if told is not None and told[0] in (None, self.generation) else None
+        self.last_error = f"{self.name} pid={pid} was killed: {why or self._fault_words(effect.reason)}"
         log.warning("%s", self.last_error)
 
     def _fault_words(self, reason: str) -> str:

@@ -186,7 +186,9 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     backend = job.backend or job.model.backend  # the lease's own: a retiring process is killed as hung too
     in_flight = backend.in_flight
     if cause in ("fatal", "stall"):
-        restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation)
+        why = f"a stream got no token for stall_timeout_s={job.model.spec.stall_timeout_s:g}s" \
+            if cause == "stall" else None
+        restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why)
         death = Death(cause, None, in_flight)  # type: ignore[arg-type]
     else:
         restart = None

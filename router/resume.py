@@ -86,6 +86,8 @@ class StreamLog:
     def cut(self, chunk: bytes) -> bytes:
         """The whole events of ``pending + chunk`` (to send now); the unfinished rest waits for the next chunk."""
         data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data:  # CRLF line ends (sse-starlette, so llama-cpp-python): still a blank line ends an event
+            data = data.replace(b"\r\n", b"\n")
         end = data.rfind(b"\n\n")
         if end < 0:
             self._pending = data

@@ -96,7 +96,9 @@ async def test_a_stream_a_health_probe_cuts_is_reported_as_an_upstream_close_and
         assert r.backend("llama").starts == 1
 
 
-async def test_health_interval_0_probes_only_while_starting_and_no_probe_cuts_a_stream(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_health_interval_0_probes_only_while_starting_and_no_probe_cuts_a_stream(tmp_path: Path,
+                                                                                       path: str) -> None:
     quiet = standin(health_path="/v1/models", health_interval_s=0)
     probed = standin("--no-interrupt", health_path="/v1/models", health_interval_s=0.05)  # the clock to wait on
     async with running_router(write_config(tmp_path, {"quiet": quiet, "probed": probed})) as r:
@@ -109,7 +111,8 @@ async def test_health_interval_0_probes_only_while_starting_and_no_probe_cuts_a_
             await until(lambda: _more(r, "probed", start + 3))  # three probe periods went by for "probed"
             assert (await r.client.post("/upstream/quiet/release")).status_code == 200
 
-        events = await stream(r, "/v1/chat/completions", "quiet", on_held=hold_through_probes)
+        # on_held runs only if the first chunks arrive while the stream is held: relayed as they come, not buffered
+        events = await stream(r, path, "quiet", on_held=hold_through_probes)
         assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e]
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
         after = await stats(r, "quiet")

@@ -100,6 +100,7 @@ async def test_a_stalled_stream_is_killed_as_hung_and_resumed(tmp_path: Path) ->
         assert content(parsed) == text and parsed.count("[DONE]") == 1
         metrics = (await router.client.get("/metrics")).text
         assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in metrics
+        assert "was killed: a stream got no token for stall_timeout_s=1s" in (router.backend("echo").last_error or "")
 
 
 async def test_a_poison_crash_mid_stream_is_named_not_resumed(tmp_path: Path) -> None:

@@ -44,6 +44,13 @@ def test_stream_log_lets_only_whole_events_through() -> None:
     assert log.rest() == b"" and events(b"".join(log.sent)) == [{"a": 1}, {"b": 2}]
 
 
+def test_stream_log_takes_crlf_events_as_sse_starlette_writes_them() -> None:
+    log = StreamLog()
+    assert log.cut(b'data: {"a":1}\r\n\r\ndata: {"b":2}\r') == b'data: {"a":1}\n\n'  # a CR split from its LF
+    assert log.cut(b"\n\r\n") == b'data: {"b":2}\n\n'
+    assert events(b"".join(log.sent)) == [{"a": 1}, {"b": 2}]
+
+
 def test_only_single_unconstrained_streams_are_resumable() -> None:
     def resumable(path: str = "/v1/chat/completions", **extra: Any) -> bool:
         return plan(path, json.dumps(chat_body(**extra)).encode(), 512) is not None

@@ -5,7 +5,8 @@
 llama-cpp-python's server (``python -m llama_cpp.server``, ``--interrupt_requests true`` by
 default) ends a stream in progress as soon as another request wants the model, and
 ``GET /v1/models`` (the only readiness path it has) is such a request: every health probe
-cuts the stream. This stand-in does the same, and its process stays alive.
+cuts the stream. This stand-in does the same, and its process stays alive. Its events end
+with CRLF line breaks (``data: ...\r\n\r\n``), as sse-starlette, that server's SSE layer, writes them.
 
 - ``POST /v1/chat/completions`` and ``/v1/completions`` with ``"stream": true``: the first
   chunk, then K token chunks, then nothing more until ``POST /release`` (the stream then
@@ -65,7 +66,7 @@ def answer(writer: asyncio.StreamWriter, status: int, body: Any) -> None:
 
 def event(kind: str, piece: dict[str, Any]) -> bytes:
     chunk = {"id": "cmpl-standin", "object": kind, "created": int(time.time()), "model": "standin", "choices": [piece]}
-    data = f"data: {json.dumps(chunk)}\n\n".encode()
+    data = f"data: {json.dumps(chunk)}\r\n\r\n".encode()
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
@@ -101,7 +102,7 @@ async def stream(writer: asyncio.StreamWriter, chat: bool) -> bool:
             return False
         writer.write(b"0\r\n\r\n")
         return True
-    writer.write(event(kind, piece("", "stop")) + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+    writer.write(event(kind, piece("", "stop")) + b"10\r\ndata: [DONE]\r\n\r\n\r\n0\r\n\r\n")
     return True
 
 
