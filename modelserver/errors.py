@@ -85,8 +85,8 @@ class ContextLengthExceeded(RequestError):
 
     code = "context_length_exceeded"
 
-    def __init__(self, context: int, prompt_tokens: int, completion_tokens: int, param: str) -> None:
-        where = "prompt" if param == "prompt" else "messages"
+    def __init__(self, context: int, prompt_tokens: int, completion_tokens: int, param: str,
+                 where: str = "messages") -> None:
         super().__init__(
             f"This model's maximum context length is {context} tokens. However, you requested "
             f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, {completion_tokens} in "

@@ -60,11 +60,11 @@ def fit_context(prompt_tokens: int, sampling: SamplingParams, context: int | Non
         room = context - prompt_tokens
         if room < 1:  # the prompt alone fills the context: no token could be generated
             asked = 1 if sampling.fit_to_context else limit
-            raise ContextLengthExceeded(context, prompt_tokens, asked, prompt_param)
+            raise ContextLengthExceeded(context, prompt_tokens, asked, prompt_param, prompt_param)
         if sampling.fit_to_context:
             limit = min(limit, room)
         elif limit > room:
-            raise ContextLengthExceeded(context, prompt_tokens, limit, "max_tokens")
+            raise ContextLengthExceeded(context, prompt_tokens, limit, "max_tokens", prompt_param)
     if sampling.min_tokens is not None and sampling.min_tokens > limit:
         raise RequestError(
             f"min_tokens: must be at most the completion's limit of {limit} tokens, got {sampling.min_tokens}",
