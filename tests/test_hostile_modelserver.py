@@ -430,3 +430,48 @@ def test_a_context_length_option_above_the_models_fails_the_load(demo_gguf: Path
     with modelserver(spec=build_model_spec("big", raw), wait=False) as failing:
         assert failing.wait_exit(60) == 1
         assert "options.context_length: 9000 is above the model's own context length of 8192" in failing.log_text()
+
+
+# -- the real encoders, in process ------------------------------------------------------------------
+
+
+async def real_encoder(task: str, folder: str, tmp_path: Path) -> tuple[Any, httpx.AsyncClient]:
+    from modelserver.engines import embeddings, rerank
+
+    if not (MODELS / folder / ".built").exists():
+        pytest.fail(f"{MODELS / folder} is missing: run `make test-models` (make test does it)")
+    spec = build_model_spec(folder, {"task": task, "path": str(MODELS / folder), "cache_dir": str(tmp_path)})
+    engine = (embeddings.load if task == "embeddings" else rerank.load)(spec)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(spec, engine)), base_url="http://m")
+    return engine, client
+
+
+@pytest.mark.real_model
+async def test_minilm_refuses_an_input_above_its_256_tokens_unless_truncate(tmp_path: Path) -> None:
+    engine, client = await real_encoder("embeddings", "minilm-ov", tmp_path)
+    try:
+        texts = ["a short sentence", "word " * 300]
+        refused = await client.post("/v1/embeddings", json={"input": texts})
+        assert_400(refused, "input", "input[1]: 302 tokens", "maximum input of 256 tokens",
+                   code="context_length_exceeded")  # [CLS] 300 words [SEP]
+        cut = await client.post("/v1/embeddings", json={"input": texts, "truncate": True})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["usage"]["prompt_tokens"] == 5 + 256  # the long one counted as embedded: cut at 256
+    finally:
+        await client.aclose()
+        engine.close()
+
+
+@pytest.mark.real_model
+async def test_a_reranker_refuses_a_pair_above_its_maximum_unless_truncate(tmp_path: Path) -> None:
+    engine, client = await real_encoder("rerank", "rerank-tiny-ov", tmp_path)
+    try:
+        body = {"query": "what is a cat", "documents": ["a cat is an animal", "word " * 600]}
+        assert_400(await client.post("/v1/rerank", json=body), "documents", "documents[1]:",
+                   "maximum input of 512 tokens", code="context_length_exceeded")
+        cut = await client.post("/v1/rerank", json={**body, "truncate": True})
+        assert cut.status_code == 200, cut.text
+        assert sorted(result["index"] for result in cut.json()["results"]) == [0, 1]
+    finally:
+        await client.aclose()
+        engine.close()
