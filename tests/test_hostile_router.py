@@ -294,7 +294,12 @@ def _buffered(port: int) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("ovrouter_buffered_body")))
 
 
-def test_bodies_beyond_the_router_wide_budget_wait_then_get_503_with_retry_after(router: Router) -> None:
+def test_bodies_beyond_the_router_wide_budget_wait_then_get_503_with_retry_after(tmp_path: Path) -> None:
+    with started(tmp_path, {**ROUTER, "body_timeout_s": 120}) as router:  # the holders' silence is never cut
+        _budget_refuses_once_taken(router)
+
+
+def _budget_refuses_once_taken(router: Router) -> None:
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (8 * MIB))
     holders = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(2)]
@@ -422,7 +427,8 @@ def test_two_hundred_idle_connections_leave_requests_and_model_starts_unaffected
 
 
 def test_a_connection_beyond_max_connections_gets_503_and_is_closed(tmp_path: Path) -> None:
-    with started(tmp_path, {**ROUTER, "max_connections": 20, "head_timeout_s": 30}) as router:
+    limits = {**ROUTER, "max_connections": 20, "head_timeout_s": 120, "keep_alive_timeout_s": 120}
+    with started(tmp_path, limits) as router:  # the 20 held connections stay open however slow the machine
         held = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(20)]
         try:
             for sock in held:  # every one of them is open at the server (it answers each)
