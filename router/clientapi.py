@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from procman import BackendUnavailable, State
+from router.body import MIB, check_depth, read_body
 from router.errors import BadRequest, ModelNotFound, unavailable
 from router.events import Subscription
 from router.modelstatus import KIND, MODALITIES, StatusBus
@@ -185,7 +186,8 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _model_field(request: Request) -> str:
-    body = await request.body()
+    body = await read_body(request.receive, None, MIB)  # a model name, not a payload: 1 MiB is plenty
+    check_depth(body)
     try:
         data = json.loads(body or b"null")
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
