@@ -475,3 +475,26 @@ async def test_a_reranker_refuses_a_pair_above_its_maximum_unless_truncate(tmp_p
     finally:
         await client.aclose()
         engine.close()
+
+
+@pytest.mark.real_model
+async def test_a_vlm_checks_its_language_models_context(tmp_path: Path) -> None:
+    from modelserver.engines import vlm
+
+    spec = build_model_spec("llava", {"task": "vlm", "path": str(MODELS / "llava-tiny-ov"), "cache_dir": str(tmp_path),
+                                      "options": {"context_length": 256}})
+    engine = vlm.load(spec)
+    app = build_app(spec, engine)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://m") as client:
+            long = [{"role": "user", "content": "word " * 300}]
+            assert_400(await client.post("/v1/chat/completions", json={"messages": long}), "messages",
+                       "maximum context length is 256 tokens", code="context_length_exceeded")
+            over = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 256})
+            assert_400(over, "max_tokens", "256 in the completion", code="context_length_exceeded")
+            assert_400(await client.post("/v1/completions", json={"prompt": "word " * 300}), "prompt",
+                       "in the prompt", code="context_length_exceeded")
+            fits = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+            assert fits.status_code == 200, fits.text
+    finally:
+        engine.close()
