@@ -86,11 +86,12 @@ class ContextLengthExceeded(RequestError):
     code = "context_length_exceeded"
 
     def __init__(self, context: int, prompt_tokens: int, completion_tokens: int, param: str,
-                 where: str = "messages") -> None:
+                 where: str = "messages", about: bool = False) -> None:
+        approx = "about " if about else ""
         super().__init__(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, {completion_tokens} in "
-            f"the completion). Please reduce the length of the {where} or of the completion (max_tokens).",
+            f"This model's maximum context length is {context} tokens. However, you requested {approx}"
+            f"{prompt_tokens + completion_tokens} tokens ({approx}{prompt_tokens} in the {where}, {completion_tokens} "
+            f"in the completion). Please reduce the length of the {where} or of the completion (max_tokens).",
             param=param,
         )
 

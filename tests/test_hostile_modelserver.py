@@ -373,6 +373,21 @@ def test_a_2_mb_prompt_is_400_context_length_exceeded_without_generating(server:
 
 
 @pytest.mark.real_model
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_prompt_past_4_mib_is_refused_from_its_start_with_an_estimate(server: ModelServerProcess,
+                                                                      http: httpx.Client, path: str) -> None:
+    words = 1_000_000  # 5 MB: only its first 4 MiB are tokenized, the rest extrapolated
+    text = "word " * words
+    body = {"messages": [{"role": "user", "content": text}]} if "chat" in path else {"prompt": text}
+    error = assert_400(http.post(path, json=body), "messages" if "chat" in path else "prompt",
+                       f"maximum context length is {CONTEXT} tokens", "you requested about ",
+                       code="context_length_exceeded")
+    estimate = int(error["message"].split("(about ")[1].split(" ")[0])
+    assert 0.9 * words <= estimate <= 1.1 * words
+    still_serving(server, http)
+
+
+@pytest.mark.real_model
 def test_ten_thousand_messages_are_400_not_an_answer_to_a_cut_prompt(http: httpx.Client) -> None:
     messages = [{"role": "user", "content": f"message number {i}"} for i in range(10_000)]
     assert_400(http.post("/v1/chat/completions", json={"messages": messages}), "messages",

@@ -73,6 +73,11 @@ def fit_context(prompt_tokens: int, sampling: SamplingParams, context: int | Non
     return limit
 
 
+#: A prompt longer than this many characters is not tokenized whole when its start alone overflows
+#: the context: its count is extrapolated ("about N tokens"), so a 60 MB prompt costs what 4 MiB do.
+EXACT_CHARS = 1 << 22
+
+
 class PromptCounter:
     """A prompt's length in tokens, uncut: an openvino_genai ``Tokenizer`` and the context it serves.
 
@@ -88,6 +93,17 @@ class PromptCounter:
 
     def count(self, text: str, special: bool = False) -> int:
         return int(self._tokenizer.encode(text, add_special_tokens=special).input_ids.shape[1])
+
+    def refuse_huge(self, text: str, sampling: SamplingParams, param: str) -> None:
+        """Before the chat template: a 400 (with an extrapolated count) for a text whose first
+        :data:`EXACT_CHARS` characters alone overflow the context; nothing for any other text."""
+        if self.context_length is None or len(text) <= EXACT_CHARS:
+            return
+        head = self._full_count(text[:EXACT_CHARS], False)
+        if head >= self.context_length:
+            estimate = round(head * len(text) / EXACT_CHARS)
+            asked = 1 if sampling.fit_to_context else sampling.max_tokens
+            raise ContextLengthExceeded(self.context_length, estimate, asked, param, param, about=True)
 
     def fit(self, prompt: str, special: bool, sampling: SamplingParams, param: str) -> tuple[Any, int, int]:
         """``(input_ids, prompt_tokens, max_new_tokens)``; a 400 for an empty prompt or one that does not fit."""

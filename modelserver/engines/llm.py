@@ -304,8 +304,9 @@ class OpenVINOTextGenerator:
 
     def generate(self, request: GenerationRequest) -> LLMStream:
         """Tokenize once, check the context (a 400 before anything reaches the pipeline), then submit."""
-        prompt, special = self._render(request)
         param = "messages" if request.messages is not None else "prompt"
+        self._counter.refuse_huge(request_text(request), request.sampling, param)
+        prompt, special = self._render(request)
         input_ids, _, max_new = self._counter.fit(prompt, special, request.sampling, param)
         config = generation_config(replace(request.sampling, max_tokens=max_new), self._defaults, request.constraint)
         ticket = Ticket(next(self._ids), input_ids, config, _noop)
@@ -335,6 +336,13 @@ class OpenVINOTextGenerator:
         except Exception as exc:
             raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
         return str(prompt), False
+
+
+def request_text(request: Any) -> str:
+    """The text a chat (its messages' contents) or a completion (its prompt) brings, before any template."""
+    if request.messages is None:
+        return str(request.prompt or "")
+    return "\n".join(turn.content for turn in request.messages)
 
 
 def chat_history(request: Any, template_tools: bool, parser: str = "") -> tuple[list[dict[str, Any]], Any]:

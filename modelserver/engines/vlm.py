@@ -23,7 +23,7 @@ import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest
 from modelserver.engines.context import PromptCounter, configured_context, context_length
-from modelserver.engines.llm import OPTIONS, chat_history, generation_config
+from modelserver.engines.llm import OPTIONS, chat_history, generation_config, request_text
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
@@ -115,6 +115,8 @@ class OpenVINOVisionGenerator:
         as text): the tokens an image becomes are known only to the pipeline.
         """
         prompt: Any = request.prompt if isinstance(request, GenerationRequest) else None
+        param = "prompt" if prompt is not None else "messages"
+        self._counter.refuse_huge(request_text(request), request.sampling, param)
         if prompt is None:
             history, tools = chat_history(request, self._template_tools, self.tool_parser)
             try:
