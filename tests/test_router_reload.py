@@ -4,8 +4,10 @@ and each trigger (POST /api/reload, a rename-save picked up by watchfiles, SIGHU
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,17 @@ def rewrite(path: Path, edit: Any) -> None:
     os.replace(tmp, path)
 
 
+async def save_until(path: Path, edit: Any, applied: Any, timeout_s: float = 60.0) -> None:
+    """Save as editors do until the watcher applies it: watchfiles arms in a thread of its own and has no ready
+    event, so a save before it armed is missed; a watch lost to an earlier rename misses every save."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rewrite(path, edit)
+        with contextlib.suppress(AssertionError):
+            return await wait_for(applied, 3, "the watcher to apply a save")
+        assert time.monotonic() < deadline, f"no save was applied in {timeout_s}s"
+
+
 async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: Path) -> None:
     slow = {"load_s": 0, "token_delay_s": 0.1}
     path = write_config(tmp_path, {"keep": fake_model(), "edit": fake_model(fake=slow), "drop": fake_model(fake=slow)})
@@ -39,12 +52,12 @@ async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: P
         for name in ("keep", "edit", "drop"):
             assert (await router.client.post("/v1/chat/completions", json=chat(name, "x"))).status_code == 200
         pids = {name: router.backend(name).pid for name in ("keep", "edit", "drop")}
-        words = "one two three four five six seven eight"
+        words = "one two three four five six seven " * 4 + "eight"  # seconds of tokens: in flight at the reload
         streams = {
             name: asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(name, words, stream=True)))
             for name in ("edit", "drop")
         }
-        await wait_for(lambda: router.backend("edit").in_flight and router.backend("drop").in_flight, 5, "in flight")
+        await wait_for(lambda: router.backend("edit").in_flight and router.backend("drop").in_flight, 60, "in flight")
 
         def edit(data: dict[str, Any]) -> None:
             data["models"]["edit"]["fake"]["token_delay_s"] = 0.01
@@ -61,10 +74,10 @@ async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: P
             assert reply.status_code == 200 and "eight" in reply.text, name
         assert (await router.client.post("/v1/chat/completions", json=chat("edit", "fresh"))).status_code == 200
         # a rolling change: the old process serves until the new one is ready, then drains and exits
-        await wait_for(lambda: router.backend("edit").pid not in (None, pids["edit"]), 15, "edit's new process")
-        await wait_for(lambda: not alive(pids["edit"]), 15, "edit's old process to exit")
-        await wait_for(lambda: not alive(pids["drop"]), 10, "the removed model's process to exit")
-        await wait_for(lambda: router.backend("new").state is State.READY, 15, "the added preload model")
+        await wait_for(lambda: router.backend("edit").pid not in (None, pids["edit"]), 60, "edit's new process")
+        await wait_for(lambda: not alive(pids["edit"]), 60, "edit's old process to exit")
+        await wait_for(lambda: not alive(pids["drop"]), 60, "the removed model's process to exit")
+        await wait_for(lambda: router.backend("new").state is State.READY, 60, "the added preload model")
         assert router.backend("keep").pid == pids["keep"], "an unchanged model is not touched"
         assert [m["id"] for m in (await router.client.get("/v1/models")).json()["data"]] == ["keep", "edit", "new"]
 
@@ -138,11 +151,10 @@ async def test_invalid_file_keeps_the_old_config_serving(tmp_path: Path) -> None
 async def test_a_saved_edit_is_picked_up_by_the_watcher(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"echo": fake_model()}, router={"watch": True})
     async with running_router(path) as router:
-        await asyncio.sleep(0.5)  # let the watcher arm before the first save (watchfiles has no ready event)
-        rewrite(path, lambda d: d["models"].update(second=fake_model()))
-        await wait_for(lambda: "second" in router.service.registry.models, 15, "the watcher to add a model")
-        rewrite(path, lambda d: d["models"].update(third=fake_model()))  # a second save: the watch survived a rename
-        await wait_for(lambda: "third" in router.service.registry.models, 15, "a second save to be applied")
+        models = router.service.registry.models
+        await save_until(path, lambda d: d["models"].update(second=fake_model()), lambda: "second" in models)
+        # a second save: the watch survived a rename
+        await save_until(path, lambda d: d["models"].update(third=fake_model()), lambda: "third" in models)
         assert router.service.last_reload["source"] == "watch"
 
 
@@ -151,5 +163,5 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
     async with running_router(path) as router:
         rewrite(path, lambda d: d["models"].update(hup=fake_model()))
         os.kill(os.getpid(), signal.SIGHUP)
-        await wait_for(lambda: "hup" in router.service.registry.models, 10, "SIGHUP reload")
+        await wait_for(lambda: "hup" in router.service.registry.models, 60, "SIGHUP reload")
         assert router.service.last_reload["source"] == "SIGHUP"
