@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from array import array
 from collections.abc import Iterable
@@ -12,7 +11,7 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.types import Receive
 
-from router.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from router.errors import BadRequest, PayloadTooLarge
 
 __all__ = ["MAX_JSON_DEPTH", "RoutedBody", "check_depth", "model_of", "read_body", "too_large"]
 
@@ -29,11 +28,9 @@ def too_large(limit_bytes: int, what: str = "request body") -> PayloadTooLarge:
     )
 
 
-async def read_body(
-    receive: Receive, content_length: int | None, limit_bytes: int, idle_timeout_s: float | None = None
-) -> bytes:
-    """The whole body, refusing with 413 as soon as it is known to exceed ``limit_bytes``, and with
-    408 when nothing of it arrives for ``idle_timeout_s`` (a client that declared a body and stalls).
+async def read_body(receive: Receive, content_length: int | None, limit_bytes: int) -> bytes:
+    """The whole body, refusing with 413 as soon as it is known to exceed ``limit_bytes`` (a body that
+    stops arriving is the HTTP protocol's business: ``router.connlimits``, ``body_timeout_s``).
 
     A body in several pieces with a ``Content-Length`` is copied into one buffer of that size as
     the pieces arrive: the pieces never pile up on the heap (where freed memory stays with the
@@ -41,13 +38,13 @@ async def read_body(
     """
     if content_length is not None and content_length > limit_bytes:
         raise too_large(limit_bytes)
-    chunk, more = await _piece(receive, idle_timeout_s)
+    chunk, more = await _piece(receive)
     if not more:
         if len(chunk) > limit_bytes:
             raise too_large(limit_bytes)
         return chunk
     if content_length is None:
-        return await _read_chunked(receive, chunk, limit_bytes, idle_timeout_s)
+        return await _read_chunked(receive, chunk, limit_bytes)
     buffer = bytearray(content_length)
     view, size = memoryview(buffer), 0
     while True:
@@ -57,17 +54,17 @@ async def read_body(
         size += len(chunk)
         if not more:
             break
-        chunk, more = await _piece(receive, idle_timeout_s)
+        chunk, more = await _piece(receive)
     view.release()
     return bytes(buffer) if size == content_length else bytes(buffer[:size])
 
 
-async def _read_chunked(receive: Receive, first: bytes, limit_bytes: int, idle_timeout_s: float | None) -> bytes:
+async def _read_chunked(receive: Receive, first: bytes, limit_bytes: int) -> bytes:
     chunks, size, more = [first], len(first), True
     while more:
         if size > limit_bytes:
             raise too_large(limit_bytes)
-        chunk, more = await _piece(receive, idle_timeout_s)
+        chunk, more = await _piece(receive)
         chunks.append(chunk)
         size += len(chunk)
     if size > limit_bytes:
@@ -75,14 +72,9 @@ async def _read_chunked(receive: Receive, first: bytes, limit_bytes: int, idle_t
     return b"".join(chunks)
 
 
-async def _piece(receive: Receive, idle_timeout_s: float | None) -> tuple[bytes, bool]:
-    """The next piece of the body and whether more follows; 400 on a disconnect, 408 on silence."""
-    try:
-        async with asyncio.timeout(idle_timeout_s):
-            message = await receive()
-    except TimeoutError:
-        raise RequestTimeout(f"request body: nothing received for {idle_timeout_s:g}s (body_timeout_s); "
-                             "send the whole body without pausing") from None
+async def _piece(receive: Receive) -> tuple[bytes, bool]:
+    """The next piece of the body and whether more follows; 400 on a disconnect."""
+    message = await receive()
     if message["type"] == "http.disconnect":
         raise BadRequest("client disconnected before the request body was complete")
     return message.get("body", b""), bool(message.get("more_body", False))

@@ -64,9 +64,10 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("serving %d model(s) from %s", len(config.models), config.path)
     log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
     settings = config.router
-    limits = connection_limits(settings.head_timeout_s, settings.max_connections, raise_open_file_limit())
-    log.info("connections: at most %d open, request head within %gs, keep-alive idle %gs",
-             limits.max_connections, limits.head_timeout_s, settings.keep_alive_timeout_s)
+    limits = connection_limits(settings.head_timeout_s, settings.body_timeout_s, settings.max_connections,
+                               raise_open_file_limit())
+    log.info("connections: at most %d open, request head within %gs, body silence %gs, keep-alive idle %gs",
+             limits.max_connections, limits.head_timeout_s, limits.body_timeout_s, settings.keep_alive_timeout_s)
     uvicorn.run(
         build_app(config),
         host=host,

@@ -3,10 +3,12 @@
 uvicorn's httptools protocol (with :mod:`router.coalesce`'s joined writes) plus:
 
 - a deadline for the request head (``head_timeout_s``): from the connection's opening, or
-  from the first byte of its next request, to the end of the head; a connection that sends
+  from the first bytes of its next request, to the end of the head; a connection that sends
   nothing, or drips its head a byte at a time (slowloris), is closed (408 when it sent part
   of a head). Idle keep-alive connections close after ``keep_alive_timeout_s`` (uvicorn's
   own timer, armed when a response ends).
+- a body that stops arriving for ``body_timeout_s`` -> 408 (its request's charge on the
+  router's body budget comes back).
 - at most ``max_connections`` open: one more gets 503 (``too_many_connections``) and is
   closed at once, so its file descriptor comes back at once and model starts never run out.
 - a request line longer than :data:`MAX_URL_BYTES` -> 414; more than :data:`MAX_HEADERS`
@@ -47,6 +49,7 @@ LOG_EVERY_S = 10.0
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     max_connections: int = 1024
     max_url_bytes: int = MAX_URL_BYTES
     max_head_bytes: int = MAX_HEAD_BYTES
@@ -82,7 +85,12 @@ def _log_refusal(refusal: Refused, client: Any) -> None:
 
 
 class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
-    """Select with ``uvicorn.run(..., http=GuardedHttpProtocol.with_limits(limits))``."""
+    """Select with ``uvicorn.run(..., http=GuardedHttpProtocol.with_limits(limits))``.
+
+    Timers cost nothing on the usual path: a head that arrives whole, and a body that
+    arrives with it, never arm one; only a connection that opens, a partial head and an
+    unfinished body do (one timer each, re-armed only when it fires and bytes came meanwhile).
+    """
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
 
@@ -93,17 +101,18 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._in_head = False
-        self._head_bytes = 0
+        self._head_bytes = self._body_bytes = self._body_mark = 0
         if len(self.connections) > self.limits.max_connections:
             self._refuse(Refused(503, f"the router has {len(self.connections) - 1} open connections "
                                       f"(max_connections={self.limits.max_connections}); retry later",
                                  "too_many_connections", retry_after_s=1))
             return
-        self._arm_head_timer()
+        self._arm_head_timer()  # a connection that never sends a byte is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
+        self._cancel_timers()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -127,6 +136,11 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
             if self._head_bytes > self.limits.max_head_bytes:
                 self._refuse(Refused(431, f"request head is larger than {self.limits.max_head_bytes} bytes; "
                                           "send fewer or shorter headers", "request_header_fields_too_large"))
+            elif self._head_timer is None:
+                self._arm_head_timer()
+        elif self._reading_body():
+            if self._body_timer is None:
+                self._arm_body_timer()
         elif self._idle() and self._head_timer is None and self.timeout_keep_alive_task is None:
             self._arm_head_timer()  # bytes between requests (a bare CRLF) still count against the deadline
 
@@ -135,8 +149,6 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
-        if self._head_timer is None:
-            self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -152,23 +164,44 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._cancel_head_timer()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
 
     # -- helpers -------------------------------------------------------------------------------------
 
     def _idle(self) -> bool:
-        """No request of this connection is being answered: a refusal may be written."""
+        """No request of this connection is being answered."""
         return self.cycle is None or self.cycle.response_complete
 
+    def _reading_body(self) -> bool:
+        """A request's head is in, its body is not, and nothing has answered it yet."""
+        cycle = self.cycle
+        return cycle is not None and cycle.more_body and not cycle.response_complete and not self._in_head
+
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
         self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
 
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _arm_body_timer(self) -> None:
+        self._body_mark = self._body_bytes
+        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -180,9 +213,21 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
         self._refuse(Refused(408, f"request head not complete within head_timeout_s="
                                   f"{self.limits.head_timeout_s:g}s; send the whole head at once", "request_timeout"))
 
+    def _body_timed_out(self) -> None:
+        """408 after ``body_timeout_s`` without a byte of the body; not while the router itself holds the
+        client back (reading paused: the app has not taken what came, e.g. waiting for room for the body)."""
+        self._body_timer = None
+        if self.transport.is_closing() or not self._reading_body():
+            return
+        if self._body_bytes != self._body_mark or self.flow.read_paused:
+            self._arm_body_timer()
+            return
+        self._refuse(Refused(408, f"request body: nothing received for {self.limits.body_timeout_s:g}s "
+                                  "(body_timeout_s); send the whole body without pausing", "request_timeout"))
+
     def _refuse(self, refusal: Refused) -> None:
         _log_refusal(refusal, self.client)
-        self._cancel_head_timer()
+        self._cancel_timers()
         if self.transport.is_closing():
             return
         cycle = self.cycle
@@ -213,8 +258,9 @@ def raise_open_file_limit() -> int:
     return int(target)
 
 
-def connection_limits(head_timeout_s: float, max_connections: int, open_files: int) -> ConnectionLimits:
+def connection_limits(head_timeout_s: float, body_timeout_s: float, max_connections: int,
+                      open_files: int) -> ConnectionLimits:
     """``max_connections`` 0 = auto: half of the open files left after a reserve for model processes,
     log files and the router's own connections to its backends (each proxied request holds one)."""
     auto = max(64, (open_files - 512) // 2)
-    return ConnectionLimits(head_timeout_s=head_timeout_s, max_connections=max_connections or auto)
+    return ConnectionLimits(head_timeout_s, body_timeout_s, max_connections or auto)

@@ -5,7 +5,6 @@
      ├ Unauthorized             401  authentication_error
      ├ ModelNotFound            404  model_not_found
      ├ NotFound                 404  not_found
-     ├ RequestTimeout           408  request_timeout       (a request body that stopped arriving)
      ├ PayloadTooLarge          413  request_too_large
      ├ TooManyRequests          429  rate_limit_exceeded   (Retry-After)
      ├ BadGateway               502  backend_error
@@ -34,7 +33,6 @@ __all__ = [
     "ModelNotFound",
     "NotFound",
     "PayloadTooLarge",
-    "RequestTimeout",
     "RouterBusy",
     "RouterError",
     "ServiceUnavailable",
@@ -81,10 +79,6 @@ class ModelNotFound(RouterError):
 
 class NotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "not_found"
-
-
-class RequestTimeout(RouterError):
-    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(RouterError):

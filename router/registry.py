@@ -53,7 +53,6 @@ class Registry:
         self.models: dict[str, Model] = {}
         self._aliases: dict[str, str] = {}
         self.max_body_bytes = 1 << 20
-        self.body_timeout_s = config.router.body_timeout_s
         self.bodies = BodyBudget(int(config.router.max_buffered_body_mb * MIB), config.router.body_wait_s)
         metrics.buffered_bodies.set_function(lambda: self.bodies.held)
         metrics.body_waiters.set_function(lambda: self.bodies.waiting)
@@ -94,7 +93,6 @@ class Registry:
         # the body is read before its model is known: the largest limit of any model bounds it
         self.max_body_bytes = max((m.spec.max_request_bytes for m in self.models.values()), default=1 << 20)
         router = self.config.router
-        self.body_timeout_s = router.body_timeout_s
         self.bodies.configure(int(router.max_buffered_body_mb * MIB), router.body_wait_s, self.max_body_bytes)
 
     def start_preloads(self, names: Iterable[str] | None = None) -> None:

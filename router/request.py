@@ -117,7 +117,7 @@ def _query(scope: Scope) -> str:
 
 async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
     """An OpenAI route: the body names the model; a stream is never retried."""
-    body = await read_body(receive, _content_length(scope), registry.max_body_bytes, registry.body_timeout_s)
+    body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
     routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models)
     model = registry.resolve(routed.model)
     if model is None:
@@ -140,7 +140,7 @@ async def raw(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model
     model = registry.resolve(params.get("model", ""))
     if model is None:
         raise unknown_model(params.get("model", ""), registry.models)
-    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes, registry.body_timeout_s)
+    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
     path_bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
     parts = path_bytes.split(b"/", 3)  # b"", b"upstream", model, rest
     path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "") + _query(scope)
