@@ -108,12 +108,14 @@ async def test_idle_stop_never_cuts_a_stream(tmp_path: Path) -> None:
     async with running_router(path) as router:
         words = " ".join(f"w{i}" for i in range(25))  # ~2.5 s of streaming, 5x the idle timeout
         async with router.client.stream("POST", "/v1/chat/completions", json=chat("echo", words, stream=True)) as resp:
+            pid = router.backend("echo").pid  # the head is here: this process serves the stream
             body = "".join([part async for part in resp.aiter_text()])
         assert resp.status_code == 200 and "w24" in body and body.rstrip().endswith("data: [DONE]")
-        pid = router.backend("echo").pid
-        assert pid is not None and alive(pid)
-        await wait_for(lambda: router.backend("echo").state is State.STOPPED, 10, "idle stop")
-        await wait_for(lambda: not alive(pid), 5, "the idle process to exit")
+        assert pid is not None
+        # (the idle stop may come 0.5 s after the stream: a loaded machine may be there before the next line)
+        await wait_for(lambda: router.backend("echo").state is State.STOPPED, 60, "idle stop")
+        await wait_for(lambda: not alive(pid), 60, "the idle process to exit")
+        assert router.backend("echo").starts == 1, "the stream was served by one process (not cut and resumed)"
         again = await router.client.post("/v1/chat/completions", json=chat("echo", "back"))
         assert again.status_code == 200 and router.backend("echo").pid not in (None, pid)
 
@@ -129,7 +131,8 @@ async def test_fatal_error_restarts_and_next_request_gets_a_new_process(tmp_path
         ok = await router.client.post("/v1/chat/completions", json=chat("echo", "fine now"))
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine now"
         backend = router.backend("echo")
-        assert backend.pid not in (None, first_pid) and not alive(first_pid) and backend.restarts == 1
+        assert backend.pid not in (None, first_pid) and backend.restarts == 1
+        await wait_for(lambda: not alive(first_pid), 60, "the failed process to exit")
         metrics = (await router.client.get("/metrics")).text
         assert 'ovrouter_model_restarts_total{model="echo",reason="fatal"} 1.0' in metrics
 
@@ -150,7 +153,7 @@ async def test_hung_process_is_killed_and_replaced_and_its_request_answered(tmp_
         tmp_path,
         {
             "echo": fake_model(
-                retry_on_fatal=False, health_interval_s=0.3, health_timeout_s=0.3, health_failures=2, stop_timeout_s=1
+                retry_on_fatal=False, health_interval_s=0.3, health_timeout_s=1, health_failures=2, stop_timeout_s=1
             )
         },
     )
@@ -159,8 +162,9 @@ async def test_hung_process_is_killed_and_replaced_and_its_request_answered(tmp_
         pid = router.backend("echo").pid
         hung = await router.client.post("/v1/chat/completions", json=chat("echo", "[[hang]]"))
         assert hung.status_code == 502 and hung.json()["error"]["code"] == "request_crashed_model"  # alone: its doing
-        await wait_for(lambda: router.backend("echo").state is State.READY, 15, "hung process replaced")
-        assert router.backend("echo").pid != pid and not alive(pid)
+        await wait_for(lambda: router.backend("echo").state is State.READY, 60, "hung process replaced")
+        assert router.backend("echo").pid != pid
+        await wait_for(lambda: not alive(pid), 60, "the hung process to be reaped")
         ok = await router.client.post("/v1/chat/completions", json=chat("echo", "alive"))
         assert ok.status_code == 200
         metrics = (await router.client.get("/metrics")).text
@@ -196,8 +200,8 @@ async def test_client_disconnect_mid_stream_cancels_the_generation(tmp_path: Pat
             async for _ in r.aiter_lines():
                 break  # read the first event, then hang up
         backend = router.backend("echo")
-        await wait_for(lambda: any("cancelled" in line for line in backend.logs.tail(50)), 10, "cancel in the log")
-        await wait_for(lambda: backend.in_flight == 0, 5, "the request to end")
+        await wait_for(lambda: any("cancelled" in line for line in backend.logs.tail(50)), 60, "cancel in the log")
+        await wait_for(lambda: backend.in_flight == 0, 60, "the request to end")
 
 
 async def test_upstream_passthrough_and_management_api(tmp_path: Path) -> None:
@@ -234,7 +238,7 @@ async def test_log_follow_streams_new_lines(tmp_path: Path) -> None:
             lines = follow.aiter_lines()
             await router.client.post("/v1/chat/completions", json=chat("echo", "marker-line please"))
             seen = []
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(60):
                 async for line in lines:
                     seen.append(line)
                     if "/v1/chat/completions" in line and len(seen) > 1:
@@ -268,7 +272,7 @@ async def test_api_keys_guard_v1_and_admin_keys_guard_api(tmp_path: Path) -> Non
 async def test_preload_starts_with_the_router(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"hot": fake_model(preload=True), "cold": fake_model()})
     async with running_router(path) as router:
-        await wait_for(lambda: router.backend("hot").state is State.READY, 15, "preload")
+        await wait_for(lambda: router.backend("hot").state is State.READY, 60, "preload")
         assert router.backend("cold").state is State.STOPPED
 
 
