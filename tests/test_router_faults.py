@@ -158,7 +158,7 @@ async def test_client_errors_carry_no_log_tail_or_socket_path(tmp_path: Path) ->
 async def test_a_hung_model_with_a_stream_in_flight_never_blocks_an_unload_or_the_next_request(
     tmp_path: Path,
 ) -> None:
-    fast_health = {"health_interval_s": 0.3, "health_timeout_s": 0.3, "health_failures": 2}
+    fast_health = {"health_interval_s": 0.3, "health_timeout_s": 1, "health_failures": 2}  # a loaded server is slow
     async with running_router(config(tmp_path, **fast_health)) as router:
         lines: list[str] = []
         stopped = asyncio.Event()
