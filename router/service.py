@@ -26,7 +26,8 @@ __all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key"]
 log = logging.getLogger(__name__)
 
 #: router settings that only take effect when the router itself restarts.
-RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range")
+RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range", "head_timeout_s", "body_timeout_s",
+                         "keep_alive_timeout_s", "max_connections")
 
 
 def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> None:
