@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ def chat(content: str, **params: object) -> dict[str, object]:
     return {"model": "tiny-fake", "messages": [{"role": "user", "content": content}], **params}
 
 
-def wait_for(predicate: object, timeout_s: float = 10.0) -> None:
+def wait_for(predicate: object, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():  # type: ignore[operator]
@@ -106,15 +107,21 @@ def test_disconnect_mid_stream_cancels_the_generation(shared: ModelServerProcess
 
 
 def test_disconnect_before_a_non_streamed_answer_cancels_it(shared: ModelServerProcess) -> None:
-    words = " ".join(f"w{i}" for i in range(400))
+    words = " ".join(f"w{i}" for i in range(400))  # 20 s at 0.05 s per word
     before = shared.health().json()["cancelled"]
-    with shared.client(timeout_s=0.5) as client, pytest.raises(httpx.ReadTimeout):
-        client.post("/v1/chat/completions", json=chat(words))
+    body = json.dumps(chat(words)).encode()
+    head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: "
+    head += str(len(body))
+    host, port = shared.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        wait_for(lambda: shared.health().json()["running"] == 1)  # hang up once it generates, not before
     wait_for(lambda: shared.health().json()["cancelled"] == before + 1)
+    assert shared.health().json()["running"] == 0
 
 
 def test_health_is_503_loading_until_the_fake_load_is_done() -> None:
-    with modelserver(spec=fake_spec(load_s=1.5), wait=False) as server:
+    with modelserver(spec=fake_spec(load_s=3), wait=False) as server:  # a window a busy poller cannot miss
         seen: set[str] = set()
 
         def ready() -> bool:
@@ -125,7 +132,7 @@ def test_health_is_503_loading_until_the_fake_load_is_done() -> None:
             seen.add(f"{response.status_code} {response.json()['status']}")
             return response.status_code == 200
 
-        wait_for(ready, timeout_s=30)
+        wait_for(ready, timeout_s=60)
         assert seen >= {"503 loading", "200 ready"}
 
 
@@ -142,7 +149,7 @@ def test_crash_marker_exits_the_process_at_once(tmp_path: Path) -> None:
     with modelserver(spec=fake_spec()) as server, server.client() as client:
         with pytest.raises(httpx.TransportError):
             client.post("/v1/chat/completions", json=chat("bye [[crash]]"))
-        assert server.wait_exit(timeout_s=10) == CRASH_EXIT_CODE
+        assert server.wait_exit(timeout_s=30) == CRASH_EXIT_CODE
 
 
 def test_hang_marker_blocks_requests_and_health() -> None:
@@ -160,7 +167,7 @@ def test_fatal_marker_over_the_wire_answers_then_the_process_exits_at_once() -> 
         assert response.status_code == 500
         assert response.headers[FATAL_HEADER] == "1"
         assert "CL_OUT_OF_RESOURCES" in response.json()["error"]["message"]
-        assert server.wait_exit(timeout_s=10) == EXIT_FATAL  # never touches the device again
+        assert server.wait_exit(timeout_s=30) == EXIT_FATAL  # never touches the device again
         assert "exiting after a fatal engine error" in server.log_text()
 
 
@@ -173,14 +180,14 @@ def test_second_suspect_error_within_a_minute_answers_fatal_and_exits() -> None:
         second = client.post("/v1/chat/completions", json=chat("again [[suspect]]"))
         assert second.status_code == 500 and second.headers[FATAL_HEADER] == "1"
         assert "CL_MEM_OBJECT_ALLOCATION_FAILURE" in second.json()["error"]["message"]
-        assert server.wait_exit(timeout_s=10) == EXIT_FATAL
+        assert server.wait_exit(timeout_s=30) == EXIT_FATAL
 
 
 def test_abort_marker_prints_a_fatal_line_and_exits_non_zero() -> None:
     with modelserver(spec=fake_spec()) as server, server.client() as client:
         with pytest.raises(httpx.TransportError):
             client.post("/v1/chat/completions", json=chat("[[abort]]"))
-        assert server.wait_exit(timeout_s=10) == ABORT_EXIT_CODE
+        assert server.wait_exit(timeout_s=30) == ABORT_EXIT_CODE
         assert "GPU plugin can't finish correctly" in server.log_text()
 
 
@@ -188,7 +195,7 @@ def test_sigterm_shuts_down_gracefully() -> None:
     with modelserver(spec=fake_spec()) as server:
         os.killpg(server.pid, signal.SIGTERM)
         # uvicorn re-raises the signal after its graceful shutdown, so the parent sees "killed by SIGTERM"
-        assert server.wait_exit(timeout_s=10) == -signal.SIGTERM
+        assert server.wait_exit(timeout_s=30) == -signal.SIGTERM
         assert "Application shutdown complete" in server.log_text()
 
 
@@ -203,7 +210,7 @@ def test_sigterm_during_a_long_stream_still_exits_promptly() -> None:
             with contextlib.suppress(httpx.TransportError):  # the stream is cut after the grace period
                 for _ in lines:
                     received += 1
-        assert server.wait_exit(timeout_s=15) == -signal.SIGTERM
+        assert server.wait_exit(timeout_s=60) == -signal.SIGTERM
         assert received < 1000
         assert "timeout graceful shutdown exceeded" in server.log_text()
 
