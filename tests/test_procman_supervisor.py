@@ -54,11 +54,11 @@ async def test_sigkill_of_the_supervisor_kills_its_model_processes(tmp_path: Pat
         assert all(psutil.Process(pid).ppid() == supervisor.pid for pid in pids)
         supervisor.send_signal(signal.SIGKILL)
         await supervisor.wait()
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + 30.0  # the kernel's SIGKILL is at once; a busy machine schedules it late
         while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         alive = [pid for pid in pids if not gone(pid)]
-        assert alive == [], f"model processes outlived their SIGKILLed supervisor by 2 s: {alive}"
+        assert alive == [], f"model processes outlived their SIGKILLed supervisor by 30 s: {alive}"
     finally:
         if supervisor.returncode is None:
             supervisor.kill()
