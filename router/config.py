@@ -63,8 +63,8 @@ class RouterSettings(_Frozen):
     )
     keep_alive_timeout_s: float = Field(5, gt=0, description="an idle keep-alive connection is closed after this")
     max_connections: int = Field(
-        0, ge=0, description="open client connections; beyond it a new one gets 503 and is closed; "
-        "0 = auto (from the open-file limit)"
+        0, ge=0, description="open client connections; beyond it a new one closes the one idle the longest "
+        "(503 when every one has a request under way); 0 = auto (from the open-file limit)"
     )
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"

@@ -9,8 +9,11 @@ uvicorn's httptools protocol (with :mod:`router.coalesce`'s joined writes) plus:
   own timer, armed when a response ends).
 - a body that stops arriving for ``body_timeout_s`` -> 408 (its request's charge on the
   router's body budget comes back).
-- at most ``max_connections`` open: one more gets 503 (``too_many_connections``) and is
-  closed at once, so its file descriptor comes back at once and model starts never run out.
+- at most ``max_connections`` open: one more closes the connection idle the longest (no
+  request under way: a silent or slow one, a keep-alive one between requests), so a flood
+  of idle connections cannot lock clients out; only when every connection has a request
+  under way does the new one get 503 (``too_many_connections``), closed at once. Either
+  way the file descriptors stay bounded and model starts never run out of them.
 - a request line longer than :data:`MAX_URL_BYTES` -> 414; more than :data:`MAX_HEADERS`
   headers or a head over :data:`MAX_HEAD_BYTES` -> 431.
 - framing errors the parser finds (a bad or duplicate ``Content-Length``, ``Content-Length``
@@ -76,12 +79,12 @@ class Refused(Exception):
 _last_logged: dict[str, float] = {}
 
 
-def _log_refusal(refusal: Refused, client: Any) -> None:
+def _log_rarely(key: str, message: str, *args: Any) -> None:
+    """A warning at most once per :data:`LOG_EVERY_S` per ``key``: a flood must not flood the log."""
     now = time.monotonic()
-    if now - _last_logged.get(refusal.code, -LOG_EVERY_S) >= LOG_EVERY_S:
-        _last_logged[refusal.code] = now
-        log.warning("refused a connection from %s: %d %s (at most one such line per %gs)",
-                    client[0] if client else "?", refusal.status, refusal.message, LOG_EVERY_S)
+    if now - _last_logged.get(key, -LOG_EVERY_S) >= LOG_EVERY_S:
+        _last_logged[key] = now
+        log.warning(message + " (at most one such line per %gs)", *args, LOG_EVERY_S)
 
 
 class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
@@ -93,10 +96,12 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
     """
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    #: This server's connections with no request under way, the longest idle first.
+    idle: ClassVar[dict[GuardedHttpProtocol, None]] = {}
 
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
-        return type(cls.__name__, (cls,), {"limits": limits})
+        return type(cls.__name__, (cls,), {"limits": limits, "idle": {}})
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -104,16 +109,36 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._in_head = False
         self._head_bytes = self._body_bytes = self._body_mark = 0
-        if len(self.connections) > self.limits.max_connections:
-            self._refuse(Refused(503, f"the router has {len(self.connections) - 1} open connections "
+        if len(self.connections) > self.limits.max_connections and not self._evict_idle():
+            self._refuse(Refused(503, f"all {len(self.connections) - 1} open connections of the router are busy "
                                       f"(max_connections={self.limits.max_connections}); retry later",
                                  "too_many_connections", retry_after_s=1))
             return
+        self.idle[self] = None
         self._arm_head_timer()  # a connection that never sends a byte is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.idle.pop(self, None)
         self._cancel_timers()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._idle() and not self.transport.is_closing():
+            self.idle[self] = None  # to the end: the longest idle is first
+
+    def _evict_idle(self) -> bool:
+        """At ``max_connections``: close the connection idle the longest (no request under way: a silent or
+        slow one, a keep-alive one between requests) to make room; False when every one is busy."""
+        oldest = next(iter(self.idle), None)
+        if oldest is None:
+            return False
+        del self.idle[oldest]
+        _log_rarely("evict", "max_connections=%d reached: closed the connection idle the longest",
+                    self.limits.max_connections)
+        oldest._cancel_timers()
+        oldest.transport.close()
+        return True
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with its parser errors (and this class's refusals) answered in JSON."""
@@ -164,6 +189,7 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self.idle.pop(self, None)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -226,7 +252,9 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
                                   "(body_timeout_s); send the whole body without pausing", "request_timeout"))
 
     def _refuse(self, refusal: Refused) -> None:
-        _log_refusal(refusal, self.client)
+        _log_rarely(refusal.code, "refused a connection from %s: %d %s", self.client[0] if self.client else "?",
+                    refusal.status, refusal.message)
+        self.idle.pop(self, None)
         self._cancel_timers()
         if self.transport.is_closing():
             return

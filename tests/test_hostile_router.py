@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from router.body import MAX_JSON_DEPTH, check_depth, read_body
@@ -26,7 +29,6 @@ from router.errors import BadRequest, PayloadTooLarge, RouterBusy
 from router.limits import BodyBudget
 from tests.modelserver_helpers import free_port
 from tests.router_helpers import fake_model, write_config
-from tests.test_router_process import router_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,17 +63,29 @@ class Reply:
 
 
 @contextlib.contextmanager
-def started(tmp: Path, router: dict[str, Any]) -> Iterator[Router]:
+def started(tmp: Path, router: dict[str, Any], open_files: int | None = None) -> Iterator[Router]:
+    """``ovrouter serve`` as a process (with RLIMIT_NOFILE ``open_files``, soft and hard, when given)."""
     models = {"tiny": fake_model(preload=True, max_request_mb=8, idle_timeout_s=0),
               "cold": fake_model(max_request_mb=8, idle_timeout_s=0)}
     config = write_config(tmp, models, router=router)
     port = free_port()
-    with router_process(config, port) as proc:
-        deadline = time.monotonic() + 30
-        while _state(port, "tiny") != "ready":  # preloaded: its process is there before any test counts children
-            assert time.monotonic() < deadline, "tiny did not load"
-            time.sleep(0.05)
-        yield Router(proc, port, tmp / "router.log")
+
+    def limit() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    with open(tmp / "router.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(config), "--port",
+                                 str(port)], stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
+        try:
+            deadline = time.monotonic() + 60
+            while _state(port, "tiny") != "ready":  # preloaded: its process is there before any test counts
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "router.log").read_text()
+                time.sleep(0.05)
+            yield Router(proc, port, tmp / "router.log")
+        finally:
+            proc.kill()  # its model processes die with it (PR_SET_PDEATHSIG)
+            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +97,10 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
 
 
 def _state(port: int, name: str) -> str:
-    rows = httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=5).json()["models"]
+    try:
+        rows = httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=5).json()["models"]
+    except httpx.HTTPError:
+        return "no answer yet"
     return str(next(row["state"] for row in rows if row["name"] == name)).lower()
 
 
@@ -402,42 +419,92 @@ def test_an_idle_keep_alive_connection_is_closed(router: Router) -> None:
     assert received.startswith(b"HTTP/1.1 200")
 
 
-def test_two_hundred_idle_connections_leave_requests_and_model_starts_unaffected(tmp_path: Path) -> None:
-    with started(tmp_path, {**ROUTER, "head_timeout_s": 60}) as router:
-        idle = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(200)]
-        try:
-            for sock in idle[:100]:
-                sock.sendall(b"GET /health HTTP/1.1\r\n")  # half a head: slowloris
+def test_a_flood_of_idle_connections_at_a_1024_open_file_limit_leaves_requests_and_model_starts_unaffected(
+        tmp_path: Path) -> None:
+    """The issue's case: 1000 idle connections against a router whose open-file limit is 1024 made a model
+    start fail. Now max_connections (auto: 256 here) keeps the router's files bounded, and each new
+    connection beyond it closes the one idle the longest, so clients still get in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the test itself needs ~1100 open files (hard limit {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    try:
+        with started(tmp_path, {**ROUTER, "head_timeout_s": 120, "max_connections": 0}, open_files=1024) as router:
+            assert "at most 256 open" in router.log.read_text()
+            flood = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(1000)]
+            try:
+                for sock in flood[::2]:
+                    sock.sendall(b"GET /health HTTP/1.1\r\n")  # half a head: slowloris
+                serves(router)
+                cold = httpx.post(f"{router.url}/v1/chat/completions", json=chat("cold"), timeout=60)
+                assert cold.status_code == 200, cold.text  # a model start: it has the files it needs
+                assert psutil.Process(router.proc.pid).num_fds() < 256 + 100
+            finally:
+                for sock in flood:
+                    sock.close()
             serves(router)
-            reply = httpx.post(f"{router.url}/v1/chat/completions", json=chat("cold"), timeout=60)  # a cold start
-            assert reply.status_code == 200, reply.text
-        finally:
-            for sock in idle:
-                sock.close()
-        serves(router)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_connection_beyond_max_connections_gets_503_and_is_closed(tmp_path: Path) -> None:
-    limits = {**ROUTER, "max_connections": 20, "head_timeout_s": 120, "keep_alive_timeout_s": 120}
-    with started(tmp_path, limits) as router:  # the 20 held connections stay open however slow the machine
-        held = [socket.create_connection(("127.0.0.1", router.port), timeout=15) for _ in range(20)]
-        try:
-            for sock in held:  # every one of them is open at the server (it answers each)
-                sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-                assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-            extra = socket.create_connection(("127.0.0.1", router.port), timeout=15)
-            with extra:
-                reply = _parse(_read_all(extra))
-            assert reply.status == 503 and reply.headers.get("retry-after") == "1"
-            assert reply.error()["code"] == "too_many_connections"
-        finally:
-            for sock in held:
-                sock.close()
-        deadline = time.monotonic() + 15
-        while True:  # the closed ones are gone from the count as soon as the server sees them close
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{router.url}/health", timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        serves(router)
+async def _app_reading_a_body(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] == "http":
+        await receive()  # a body that never comes: the request stays under way
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+async def test_beyond_max_connections_the_longest_idle_is_closed_and_only_all_busy_is_a_503() -> None:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from router.connlimits import ConnectionLimits, GuardedHttpProtocol
+
+    config = uvicorn.Config(_app_reading_a_body, loop="none", log_level="critical")
+    config.load()
+    state, loop = ServerState(), asyncio.get_running_loop()
+    protocol = GuardedHttpProtocol.with_limits(ConnectionLimits(head_timeout_s=60, max_connections=2))
+
+    def connect() -> tuple[Any, _Transport]:
+        conn, transport = protocol(config=config, server_state=state, app_state={}, _loop=loop), _Transport()
+        conn.connection_made(transport)
+        return conn, transport
+
+    def lost(conn: Any) -> None:  # what the loop does after a close
+        conn.connection_lost(None)
+
+    first, first_t = connect()
+    second, _ = connect()
+    third, third_t = connect()  # one too many: the longest idle (first) makes room
+    assert first_t.closed and not third_t.closed
+    lost(first)
+    for conn in (second, third):  # both get a request under way (a body still to come)
+        conn.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n")
+    fourth, fourth_t = connect()  # nobody idle: refused
+    assert fourth_t.closed and fourth_t.written.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    error = json.loads(fourth_t.written.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "too_many_connections" and "max_connections=2" in error["message"]
+    assert b"retry-after: 1" in fourth_t.written
+    lost(fourth)
+    for conn in (second, third):
+        conn.connection_lost(None)  # their apps see the disconnect
+    await asyncio.gather(*state.tasks)
