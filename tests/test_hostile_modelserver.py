@@ -197,6 +197,15 @@ async def test_fake_context_is_checked_like_the_real_one(fake_llm: httpx.AsyncCl
     assert capped.json()["usage"]["completion_tokens"] <= 5
 
 
+async def test_a_continued_final_message_is_capped_at_what_is_left_not_refused(fake_llm: httpx.AsyncClient) -> None:
+    # a stream the router resumes: the answer so far sits in the prompt, max_tokens still counts the whole answer
+    history = [{"role": "user", "content": "w " * 10}, {"role": "assistant", "content": "w " * 5}]
+    body = {"messages": history, "max_tokens": 10, "continue_final_message": True}
+    answer = await fake_llm.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] <= 20 - 15
+
+
 async def test_fake_embeddings_refuse_an_input_above_max_length_unless_truncate() -> None:
     async with fake_client("embeddings", FakeEmbedder, max_length=8) as client:
         texts = ["short one", "w " * 9]

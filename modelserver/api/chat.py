@@ -108,10 +108,12 @@ def _text_of(message: ChatMessage, index: int) -> str:
 
 
 def sampling(body: Body, default_max_tokens: int) -> SamplingParams:
+    """The request's sampling; without ``max_tokens`` the limit fits what the context leaves, and so
+    does a continued final message (a stream the router resumes: its answer so far now sits in the prompt)."""
     requested = body.requested_max_tokens()
     return SamplingParams(
         max_tokens=requested or default_max_tokens,
-        fit_to_context=requested is None,
+        fit_to_context=requested is None or getattr(body, "continue_final_message", False),
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
