@@ -148,7 +148,7 @@ async def test_sizes_are_measured_and_remembered_under_state_dir(tmp_path: Path)
     async with running_router(path) as router:
         assert await ask(router, "m") == 200
         store = router.service.registry.residency.store
-        await wait_for(lambda: "m" in store.models, 15, "a measurement of m")
+        await wait_for(lambda: "m" in store.models, 60, "a measurement of m")
         row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "m")
         assert row["memory"]["source"] == "measured" and row["memory"]["bytes"] == 123 * MIB
         assert row["memory"]["reported"]["fake"] is True
@@ -172,11 +172,11 @@ async def change_under_load(router: RunningRouter, name: str, change: Any) -> tu
     old = router.backend(name).pid
     stop, statuses = asyncio.Event(), []
     load = asyncio.create_task(steady_load(router, name, stop, statuses))
-    await wait_for(lambda: len(statuses) >= 10, 15, "the steady load to run")
+    await wait_for(lambda: len(statuses) >= 10, 60, "the steady load to run")
     await change()
-    await wait_for(lambda: router.backend(name).pid not in (None, old), 30, "a new process")
+    await wait_for(lambda: router.backend(name).pid not in (None, old), 60, "a new process")
     served = len(statuses)
-    await wait_for(lambda: len(statuses) >= served + 10, 15, "requests on the new process")
+    await wait_for(lambda: len(statuses) >= served + 10, 60, "requests on the new process")
     stop.set()
     await load
     return old, router.backend(name).pid, statuses
@@ -191,7 +191,7 @@ async def test_a_rolling_reload_under_load_fails_no_request(tmp_path: Path) -> N
 
         old, new, statuses = await change_under_load(router, "m", reload)
         assert set(statuses) == {200} and new != old
-        await wait_for(lambda: not alive(old), 15, "the old process to exit")
+        await wait_for(lambda: not alive(old), 60, "the old process to exit")
 
 
 async def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> None:
@@ -206,7 +206,7 @@ async def test_a_rolling_restart_under_load_fails_no_request(tmp_path: Path) -> 
         assert set(statuses) == {200} and new != old
         assert [e.data["phase"] for e in seen if e.kind == "rolling"] == ["starting", "switched"]
         assert any(e.kind == "state" and e.data["pid"] == new for e in seen)  # the dashboard learns the new pid
-        await wait_for(lambda: not alive(old), 15, "the old process to exit")
+        await wait_for(lambda: not alive(old), 60, "the old process to exit")
 
 
 async def test_too_small_a_budget_for_both_is_stop_first_and_clients_wait(tmp_path: Path) -> None:
@@ -229,7 +229,7 @@ async def test_a_failed_new_process_leaves_the_old_one_serving(tmp_path: Path) -
         rewrite(path, lambda d: d["models"]["m"]["fake"].update(fail_load="the new weights are corrupt"))
         await router.client.post("/api/reload")
         residency = router.service.registry.residency
-        await wait_for(lambda: "m" in residency.rolling_errors, 20, "the failed rolling change")
+        await wait_for(lambda: "m" in residency.rolling_errors, 60, "the failed rolling change")
         assert "the new weights are corrupt" in residency.rolling_errors["m"]
         assert await ask(router, "m") == 200 and router.backend("m").pid == old
         row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "m")
@@ -244,9 +244,9 @@ async def test_an_unload_during_a_rolling_change_wins(tmp_path: Path) -> None:
         rewrite(path, lambda d: d["models"]["m"]["fake"].update(token_delay_s=0.001))
         await router.client.post("/api/reload")
         manager = router.service.registry.manager
-        await wait_for(lambda: "m (new)" in [h.name for h in manager.holders()], 10, "the new process to start")
+        await wait_for(lambda: "m (new)" in [h.name for h in manager.holders()], 60, "the new process to start")
         assert (await router.client.post("/api/models/m/unload")).status_code == 200
-        await wait_for(lambda: json.loads(old.spec.env[SPEC_ENV])["fake"]["token_delay_s"] == 0.001, 20,
+        await wait_for(lambda: json.loads(old.spec.env[SPEC_ENV])["fake"]["token_delay_s"] == 0.001, 60,
                        "the change to be kept for the next start")
         assert "m (new)" not in [h.name for h in manager.holders()]
         assert router.backend("m") is old and old.state is State.STOPPED
