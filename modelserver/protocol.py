@@ -16,6 +16,10 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
   ``tool_choice``); ``guided_grammar`` is a 400.
 - Extensions accepted as in vLLM: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``guided_json``, ``guided_regex``, ``guided_choice``.
+- **Ranges** are field constraints here (``seed`` within the engine's unsigned 64 bits, no
+  NaN/Infinity anywhere, ...); whether prompt + ``max_tokens`` fit the model's context is the
+  engine's check (:mod:`modelserver.engines.context`); a body nested deeper than
+  :data:`MAX_JSON_DEPTH` is a 400 before pydantic recurses into it.
 - ``max_tokens`` (or ``max_completion_tokens``) defaults to the model's ``default_max_tokens``;
   ``temperature`` omitted means the model's own generation defaults, ``0`` greedy.
 """
