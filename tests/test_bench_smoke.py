@@ -29,9 +29,9 @@ def _bench(out: Path, sections: list[str], timeout_s: float) -> dict[str, dict[s
     return {s["key"]: s for s in raw["sections"]}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(330)
 def test_quick_bench_runs_every_fake_section(tmp_path: Path) -> None:
-    sections = _bench(tmp_path, FAKE_SECTIONS, 110)
+    sections = _bench(tmp_path, FAKE_SECTIONS, 300)  # ~40 s on 2 busy cores; far slower on a loaded machine
     assert list(sections) == FAKE_SECTIONS
     for key, section in sections.items():
         assert section["status"] == "ok", (key, section["notes"])
