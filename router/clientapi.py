@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from procman import BackendUnavailable, State
 from router.body import MIB, check_depth, read_body
-from router.errors import BadRequest, ModelNotFound, unavailable
+from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, unavailable
 from router.events import Subscription
 from router.modelstatus import KIND, MODALITIES, StatusBus
 from router.registry import Model
@@ -186,7 +186,10 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 
 async def _model_field(request: Request) -> str:
-    body = await read_body(request.receive, None, MIB)  # a model name, not a payload: 1 MiB is plenty
+    try:
+        body = await read_body(request.receive, None, MIB)  # a model name, not a payload: 1 MiB is plenty
+    except PayloadTooLarge:
+        raise PayloadTooLarge('send a JSON body {"model": "<id>"} of at most 1 MiB') from None
     check_depth(body)
     try:
         data = json.loads(body or b"null")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psutil
@@ -297,6 +297,16 @@ def test_a_body_that_stops_arriving_is_a_408_and_gives_its_charge_back(router: R
     serves(router)
 
 
+@pytest.mark.parametrize("body, status, says", [
+    (b'{"model": "' + b"x" * (2 * MIB) + b'"}', 413, "at most 1 MiB"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+])
+def test_models_load_refuses_a_large_or_deep_body(router: Router, body: bytes, status: int, says: str) -> None:
+    reply = raw(router.port, post("/models/load", body))
+    assert reply.status == status and says in reply.error()["message"], reply
+    serves(router)
+
+
 def _buffered(port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("ovrouter_buffered_body")))
@@ -455,6 +465,7 @@ async def _app_reading_a_body(scope: Any, receive: Any, send: Any) -> None:
 class _Transport:
     def __init__(self) -> None:
         self.written, self.closed = b"", False
+        self.gone = asyncio.Event()
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -464,6 +475,7 @@ class _Transport:
 
     def close(self) -> None:
         self.closed = True
+        self.gone.set()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
@@ -486,7 +498,7 @@ async def test_beyond_max_connections_the_longest_idle_is_closed_and_only_all_bu
 
     def connect() -> tuple[Any, _Transport]:
         conn, transport = protocol(config=config, server_state=state, app_state={}, _loop=loop), _Transport()
-        conn.connection_made(transport)
+        conn.connection_made(cast(Any, transport))
         return conn, transport
 
     def lost(conn: Any) -> None:  # what the loop does after a close
@@ -507,4 +519,38 @@ async def test_beyond_max_connections_the_longest_idle_is_closed_and_only_all_bu
     lost(fourth)
     for conn in (second, third):
         conn.connection_lost(None)  # their apps see the disconnect
+    await asyncio.gather(*state.tasks)
+
+
+async def test_a_stalled_body_is_a_408_unless_the_router_itself_holds_reading_paused() -> None:
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from router.connlimits import ConnectionLimits, GuardedHttpProtocol
+
+    read_now = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await read_now.wait()  # as a request waiting for room under max_buffered_body_mb does
+            while (await receive())["type"] == "http.request":
+                pass
+
+    config = uvicorn.Config(app, loop="none", log_level="critical")
+    config.load()
+    state = ServerState()
+    protocol = GuardedHttpProtocol.with_limits(ConnectionLimits(head_timeout_s=60, body_timeout_s=0.05))
+    conn, transport = protocol(config=config, server_state=state, app_state={}), _Transport()
+    conn.connection_made(cast(Any, transport))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (1 << 20)
+    conn.data_received(head + b"x" * 100_000)  # more than uvicorn buffers: it pauses reading
+    assert conn.flow.read_paused
+    for _ in range(3):  # the body timer fires while the app does not read: the router's doing, so no 408
+        conn._body_timed_out()
+        assert not transport.closed and conn._body_timer is not None
+    read_now.set()  # the app reads what came and waits for more; the client sends nothing more
+    await asyncio.wait_for(transport.gone.wait(), 30)
+    assert transport.written.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert b"body_timeout_s" in transport.written
+    conn.connection_lost(None)
     await asyncio.gather(*state.tasks)
