@@ -145,7 +145,9 @@ class ModelSpec(_Frozen):
         False, description="convert a .gguf to OpenVINO IR once under state_dir and reuse it"
     )
     options: dict[str, Any] = for_engine(default_factory=dict, description="task-specific engine options")
-    default_max_tokens: int = for_engine(512, ge=1, description="max_tokens when a request gives none")
+    default_max_tokens: int = for_engine(
+        512, ge=1, description="max_tokens when a request gives none (at most what the context leaves)"
+    )
     loading_progress: Literal["comments", "reasoning", "off"] = for_router(
         "comments", description="a stream waiting on a start gets `: loading` comments (and reasoning_content chunks)"
     )
