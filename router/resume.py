@@ -172,10 +172,12 @@ def continuation(p: Plan, seen: Progress) -> dict[str, Any] | None:
     left = int(limit) - seen.tokens
     if left <= 0:
         return None
-    body[limit_key] = left
     if p.kind == "completion":
         body["prompt"] = str(body["prompt"]) + seen.text
+        if body.get(limit_key) is not None:  # without one the model server caps at what its context leaves
+            body[limit_key] = left  # (a default-sized limit on a prompt near the context would be a 400)
         return body
+    body[limit_key] = left  # a chat continuation (continue_final_message) is capped, never refused, by the server
     messages = list(body.get("messages") or [])
     body["messages"] = [*messages, {"role": "assistant", "content": seen.text}]
     body["continue_final_message"] = True

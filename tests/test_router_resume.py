@@ -102,6 +102,10 @@ async def test_a_completion_resumes_with_prompt_plus_text() -> None:
     body = continuation(plan_, seen)
     assert body is not None and body["prompt"] == WORDS + seen.text and body["max_tokens"] == 3
     assert seen.text == "alpha beta"
+    unlimited = plan("/v1/completions", json.dumps({**original, "max_tokens": None}).encode(), 512)
+    assert unlimited is not None  # no limit asked: none sent, the server caps at what its context leaves
+    body = continuation(unlimited, seen)
+    assert body is not None and body.get("max_tokens") is None and body["prompt"] == WORDS + seen.text
 
 
 def test_nothing_left_to_generate_gives_no_continuation() -> None:
