@@ -228,6 +228,12 @@ def test_one_log_line_per_request_and_model_properties_at_start(server: ModelSer
     assert "eos_token_id=" in log
     assert "POST /v1/completions 200" in log
     assert "completion_tokens=3 finish=length" in log
+    with server.client() as http:  # a refused request logs as an error, not as a client that went away
+        refused = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1_000_000})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    log = server.wait_log("POST /v1/completions 400")
+    line = next(line for line in log.splitlines() if "POST /v1/completions 400" in line)
+    assert "finish=error" in line and "cancelled" not in line
 
 
 def test_a_request_before_the_server_is_ready_gets_503_loading(demo_gguf: Path) -> None:

@@ -177,8 +177,8 @@ async def _start(request: Request, generator: TextGenerator, generations: list[G
                 runs.append(Run(generator.generate(generation), stops))
         with engine_errors(rt):
             await until_disconnect(request, _all(run.start() for run in runs))
-    except BaseException:
-        await _close(request, runs)
+    except BaseException as exc:
+        await _close(request, runs, "error" if isinstance(exc, ModelServerError) else "cancelled")
         raise
     return runs
 
@@ -191,12 +191,14 @@ async def _all(works: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     return list(await asyncio.gather(*pending))
 
 
-async def _close(request: Request, runs: list[Run]) -> None:
+async def _close(request: Request, runs: list[Run], unfinished: str = "cancelled") -> None:
+    """Close every run and note the access log's counts; a run that did not finish is ``unfinished``
+    (``error`` for a refused request, e.g. one over the context, ``cancelled`` for a client gone)."""
     for run in runs:
         await run.stream.aclose()
     note(request, prompt_tokens=runs[0].stream.prompt_tokens if runs else 0,
          completion_tokens=sum(run.stream.completion_tokens for run in runs))
-    note(request, finish=",".join(run.finish or "cancelled" for run in runs) or "cancelled")
+    note(request, finish=",".join(run.finish or unfinished for run in runs) or unfinished)
 
 
 def _usage(runs: list[Run]) -> dict[str, int]:
