@@ -356,6 +356,9 @@ CHAT = json.dumps(chat()).encode()
     (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n"
      b"0\r\n\r\n", "Transfer-Encoding"),
     (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999999999999999\r\n\r\n",
+     "Content-Length overflow"),
+    (b"GET /v1/mod\xffels HTTP/1.1\r\nhost: x\r\n\r\n", "url"),
     (b"HELLO\r\n\r\n", "method"),
     (b"GET / HTTP/9.9\r\n\r\n", "HTTP version"),
     (b"GET /health HTTP/1.1\r\nx-a: b\x00c\r\n\r\n", "header value"),
