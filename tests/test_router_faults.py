@@ -121,6 +121,8 @@ async def test_a_poison_crash_is_answered_at_once_and_the_next_request_succeeds(
     async with running_router(config(tmp_path)) as router:
         poison = await router.client.post("/v1/chat/completions", json=chat("bye [[crash]]"))
         assert poison.status_code == 502 and poison.json()["error"]["code"] == "request_crashed_model"
+        # the answer may go out before the supervisor has handled the exit: count once it relaunched
+        await wait_for(lambda: router.backend("echo").restarts >= 1 and router.backend("echo").state.value == "ready")
         assert router.backend("echo").restarts == 1  # not retried: one process down, not two
         innocent = await router.client.post("/v1/chat/completions", json=chat("innocent"))
         assert innocent.status_code == 200
