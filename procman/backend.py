@@ -11,7 +11,9 @@ abandons its answer, never the work: the owner finishes what it started.
 
 The request path is the one shortcut: admitting a request and counting it done are decided
 in the caller's own turn when the queue is empty and no decision is under way — exactly the
-step the owner would take next, without two task switches per request.
+step the owner would take next, without two task switches per request. The commonest of
+those (admit to a READY process with room; a done that leaves others in flight) take the
+machine's decision and apply its counters directly (:meth:`Backend._shortcut`).
 
 Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never change anything.
 """
@@ -19,10 +21,9 @@ Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never chang
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 from procman import machine as m
@@ -193,23 +194,29 @@ class Backend:
         """
         return (await self._want(count=False)).address
 
-    @contextlib.asynccontextmanager
-    async def request(self) -> AsyncIterator[Lease]:
+    def request(self) -> InFlight:
         """``async with backend.request() as lease:`` counts a request in flight for its duration.
 
         The ready check and the count are one decision, so no stop slips in between; a stop
         with ``drain=True`` waits for the count to reach zero.
         """
-        lease = await self._want(count=True)
-        try:
-            yield lease
-        finally:
-            if self._quiet():
-                self._dispatch(m.Done(), None)
-            else:
-                done = self._post(m.Done(), want_reply=True)
-                assert done is not None
-                await done
+        return InFlight(self)
+
+    async def _admitted(self) -> Lease:
+        running = self._running
+        if running is not None and not running.exited.done() and self._shortcut(_WANT_ONE):
+            return Lease(running.address, running.pid, self.counters.generation, running.exited)
+        return await self._want(count=True)
+
+    async def _finished(self) -> None:
+        if self._shortcut(_DONE):
+            self.last_used = time.time()
+        elif self._quiet():
+            self._dispatch(_DONE, None)
+        else:
+            done = self._post(_DONE, want_reply=True)
+            assert done is not None
+            await done
 
     async def stop(self, reason: str = "stop", *, drain: bool = True) -> None:
         """Stop the process (after in-flight requests finish, bounded, when ``drain``); -> STOPPED.
@@ -299,6 +306,31 @@ class Backend:
         return reply
 
     # -- the owner ---------------------------------------------------------------------------
+
+    def _shortcut(self, event: m.Want | m.Done) -> bool:
+        """Decide a request's admit or done right here when the answer touches nothing but the counters.
+
+        Invariant: the owner is quiet (nothing queued, nothing being decided), the backend is
+        READY, and ``decide`` — the machine itself, pure, so asking it changes nothing — answers
+        READY with no effect but ``Admit`` (admit) or none at all (a done that leaves requests in
+        flight). The counters then move exactly as the owner would move them in its next turn,
+        and nothing else would have happened: no state, no timer, no wake-up, no listener (the
+        manager's room accounting changes only when a backend turns idle, and that done has an
+        effect, so it takes the owner's way). Any other answer is dropped and the event goes the
+        usual way. The caller of an admit checks first that the process has not exited.
+        """
+        if self.state is not State.READY or not self._quiet():
+            return False
+        decision = m.decide(State.READY, event, self.counters, self._tuning, self._rt.clock())
+        effects = decision.effects
+        if isinstance(event, m.Want):
+            plain = len(effects) == 1 and type(effects[0]) is m.Admit
+        else:
+            plain = not effects
+        if decision.state is not State.READY or not plain:
+            return False
+        self.counters = decision.counters
+        return True
 
     def _quiet(self) -> bool:
         """Nothing queued and nothing being decided: an event may be decided in the caller's turn.
@@ -658,6 +690,25 @@ async def _unless(abort: asyncio.Event, hook: Awaitable[None]) -> bool:
         log.warning("before_start failed: %r", exc)
         raise NoRoom(BackendUnavailable(f"cannot start: {exc}")) from None
     return True
+
+
+class InFlight:
+    """``async with backend.request() as lease``: admitted on entry, counted done on exit (whatever happened)."""
+
+    __slots__ = ("_backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    async def __aenter__(self) -> Lease:
+        return await self._backend._admitted()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._backend._finished()
+
+
+_WANT_ONE = m.Want(count=True)
+_DONE = m.Done()
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

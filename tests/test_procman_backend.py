@@ -378,6 +378,37 @@ async def test_in_flight_request_blocks_stop_until_it_finishes(h: Harness) -> No
     assert len(h.spawner.procs) == 2 and backend.state is State.READY
 
 
+async def test_overlapping_requests_only_the_last_done_starts_the_idle_clock(h: Harness) -> None:
+    backend = h.add(idle_timeout_s=60.0)
+    async with backend.request():
+        async with backend.request():
+            assert backend.in_flight == 2
+        assert backend.in_flight == 1 and backend.last_used is not None
+        await h.clock.advance(120.0)
+        assert backend.state is State.READY  # one still in flight
+    assert backend.in_flight == 0
+    await h.clock.advance(59.0)
+    assert backend.state is State.READY
+    await h.clock.advance(1.0)
+    assert backend.state is State.STOPPED and h.recorder.stops == [("m", "idle")]
+
+
+async def test_a_drain_waits_for_every_overlapping_request_and_admits_none_meanwhile(h: Harness) -> None:
+    backend = h.add()
+    async with backend.request():
+        async with backend.request():
+            stopping = asyncio.ensure_future(backend.stop("unload"))
+            await settle()
+        late = asyncio.ensure_future(backend.ensure_ready())
+        await settle()
+        assert backend.in_flight == 1 and backend.state is State.READY
+        assert not stopping.done() and not late.done()
+    await stopping
+    assert h.recorder.stops == [("m", "unload")] and backend.in_flight == 0
+    await late  # parked through the drain, then a fresh start
+    assert len(h.spawner.procs) == 2
+
+
 async def test_drain_is_bounded_by_drain_timeout(h: Harness) -> None:
     backend = h.add(drain_timeout_s=5.0)
     entered = asyncio.Event()
