@@ -34,7 +34,7 @@ def write_config(directory: Path, models: dict[str, Any], router: dict[str, Any]
                  defaults: dict[str, Any] | None = None, groups: dict[str, Any] | None = None) -> Path:
     data: dict[str, Any] = {
         "router": {"state_dir": str(directory / "state"), "watch": False, **(router or {})},
-        "defaults": {"health_interval_s": 1, "startup_timeout_s": 30, "stop_timeout_s": 3, **(defaults or {})},
+        "defaults": {"health_interval_s": 1, "startup_timeout_s": 120, "stop_timeout_s": 3, **(defaults or {})},
         "models": models,
     }
     if groups:
