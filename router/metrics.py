@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
+
+from router.tallies import TallyCounter, TallyHistogram
 
 __all__ = ["Metrics"]
 
@@ -47,15 +47,10 @@ class Metrics:
                                  "device count (measured peaks, else estimates)", ["device"], registry=r)
         self.model_memory = Gauge("ovrouter_model_memory_bytes", "what the model counts on its device's budget",
                                   ["model"], registry=r)
-        self.requests = Counter(
-            "ovrouter_requests", "proxied requests by final status", ["model", "status"], registry=r
-        )
-        self.request_duration = Histogram(
-            "ovrouter_request_duration_seconds",
-            "proxied request time, stream included",
-            ["model"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+        # the request path's figures are tallies (router/tallies.py: plain numbers, exposed when scraped)
+        self.requests = TallyCounter("ovrouter_requests", "proxied requests by final status", ["model", "status"])
+        self.request_duration = TallyHistogram(
+            "ovrouter_request_duration_seconds", "proxied request time, stream included", ["model"], _DURATION_BUCKETS
         )
         self.cold_start = Histogram(
             "ovrouter_cold_start_duration_seconds", "spawn to ready", ["model"], buckets=_START_BUCKETS, registry=r
@@ -70,66 +65,56 @@ class Metrics:
         self.body_waiters = Gauge("ovrouter_body_waiters", "requests waiting for room under max_buffered_body_mb",
                                   registry=r)
         self._activity(r)
-        self._request_children: dict[tuple[str, int], Any] = {}
-        self._duration_children: dict[str, Any] = {}
-        self._activity_children: dict[str, tuple[Any, ...]] = {}
+        for tally in self._tallies():
+            r.register(tally)
 
     def _activity(self, r: CollectorRegistry) -> None:
-        self.ttft = Histogram("ovrouter_time_to_first_token_seconds", "request arrival to the first streamed token",
-                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("ovrouter_inter_token_latency_seconds",
-                             "mean time between streamed tokens after the first, one sample per request", ["model"],
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.queue_wait = Histogram("ovrouter_queue_wait_seconds", "time a request waited for a max_concurrency slot",
-                                    ["model"], buckets=_WAIT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ovrouter_prompt_tokens", "prompt tokens (from usage)", ["model"], registry=r)
-        self.completion_tokens = Counter("ovrouter_completion_tokens", "generated tokens (usage, else token events)",
-                                         ["model"], registry=r)
+        self.ttft = TallyHistogram("ovrouter_time_to_first_token_seconds", "request arrival to the first streamed "
+                                   "token", ["model"], _TTFT_BUCKETS)
+        self.itl = TallyHistogram("ovrouter_inter_token_latency_seconds",
+                                  "mean time between streamed tokens after the first, one sample per request",
+                                  ["model"], _ITL_BUCKETS)
+        self.queue_wait = TallyHistogram("ovrouter_queue_wait_seconds",
+                                         "time a request waited for a max_concurrency slot", ["model"], _WAIT_BUCKETS)
+        self.prompt_tokens = TallyCounter("ovrouter_prompt_tokens", "prompt tokens (from usage)", ["model"])
+        self.completion_tokens = TallyCounter("ovrouter_completion_tokens",
+                                              "generated tokens (usage, else token events)", ["model"])
         self.rss = Gauge("ovrouter_model_memory_rss_bytes", "resident memory of the model's process (from /proc)",
                          ["model"], registry=r)
         self.backend = {key: Gauge(name, text, ["model"], registry=r) for key, (name, text) in BACKEND_GAUGES.items()}
         self.load_seconds = Gauge("ovrouter_model_last_load_seconds", "duration of the model's last successful start",
                                   ["model"], registry=r)
 
+    def _tallies(self) -> tuple[TallyCounter | TallyHistogram, ...]:
+        return (self.requests, self.request_duration, self.ttft, self.itl, self.queue_wait, self.prompt_tokens,
+                self.completion_tokens)
+
     def observe_activity(self, model: str, queue_s: float, ttft_s: float | None, itl_s: float | None,
                          prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """A finished request's figures (see router.activity); labelled children cached as in observe_request."""
-        children = self._activity_children.get(model)
-        if children is None:
-            children = self._activity_children[model] = tuple(
-                m.labels(model) for m in (self.queue_wait, self.ttft, self.itl, self.prompt_tokens,
-                                          self.completion_tokens))
-        queue_wait, ttft, itl, prompt, completion = children
-        queue_wait.observe(queue_s)
+        """A finished request's figures (see router.activity)."""
+        key = (model,)
+        self.queue_wait.observe(key, queue_s)
         if ttft_s is not None:
-            ttft.observe(ttft_s)
+            self.ttft.observe(key, ttft_s)
         if itl_s is not None:
-            itl.observe(itl_s)
+            self.itl.observe(key, itl_s)
         if prompt_tokens:
-            prompt.inc(prompt_tokens)
+            self.prompt_tokens.inc(key, prompt_tokens)
         if completion_tokens:
-            completion.inc(completion_tokens)
+            self.completion_tokens.inc(key, completion_tokens)
 
     def observe_request(self, model: str, status: int, elapsed_s: float) -> None:
-        """The hot path's metrics, with the labelled children cached (``labels()`` costs a lock)."""
-        key = (model, status)
-        counter = self._request_children.get(key)
-        if counter is None:
-            counter = self._request_children[key] = self.requests.labels(model, str(status))
-        duration = self._duration_children.get(model)
-        if duration is None:
-            duration = self._duration_children[model] = self.request_duration.labels(model)
-        counter.inc()
-        duration.observe(elapsed_s)
+        """A proxied request's final status and duration."""
+        self.requests.inc((model, status))
+        self.request_duration.observe((model,), elapsed_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def forget(self, model: str) -> None:
         """Drop the per-model series of a model that left the config."""
-        self._request_children = {k: v for k, v in self._request_children.items() if k[0] != model}
-        self._duration_children.pop(model, None)
-        self._activity_children.pop(model, None)
+        for tally in self._tallies():
+            tally.forget(model)
         for metric in [*vars(self).values(), *self.backend.values()]:
             # every labelled series whose first label is this model, whatever its other labels (state, reason,
             # status): prometheus_client lists a metric's children only in its private ``_metrics``
