@@ -185,6 +185,11 @@ class UpstreamResponse:
                 self._wakeup = None
 
     async def read(self, idle_timeout_s: float | None = None) -> bytes:
+        if self.complete and self._error is None and self._buffered <= HIGH_WATER:
+            body = b"".join(self._chunks)  # all here already (a small answer): no iterator, reading never paused
+            self._chunks.clear()
+            self._buffered = 0
+            return body
         return b"".join([chunk async for chunk in self.iter_chunks(idle_timeout_s)])
 
     def close(self) -> None:
@@ -208,9 +213,9 @@ def _bodyless(method: str, response: UpstreamResponse) -> UpstreamResponse:
     return response
 
 
-def _expire(future: asyncio.Future[None], message: str) -> None:
+def _expire(future: asyncio.Future[None], timeout_s: float) -> None:
     if not future.done():
-        future.set_exception(UpstreamTimeout(message))
+        future.set_exception(UpstreamTimeout(f"no response within {timeout_s:g}s"))
 
 
 class ConnectionPool:
@@ -288,16 +293,14 @@ class ConnectionPool:
     ) -> UpstreamResponse:
         assert conn.transport is not None
         conn.got_bytes = False
-        response = conn.response = UpstreamResponse(self, conn)
-        conn.parser = httptools.HttpResponseParser(conn)
-        conn.head = asyncio.get_running_loop().create_future()
+        response = conn.response = UpstreamResponse(self, conn)  # the parser goes on: the last answer was whole
+        loop = asyncio.get_running_loop()
+        head = conn.head = loop.create_future()
         for part in payload:
             conn.transport.write(part)
-        head = conn.head
         timer = None
         if head_timeout_s is not None:  # a timer handle is cheaper than asyncio.timeout() per request
-            message = f"no response within {head_timeout_s:g}s"
-            timer = head.get_loop().call_later(head_timeout_s, _expire, head, message)
+            timer = loop.call_later(head_timeout_s, _expire, head, head_timeout_s)
         try:
             await head
         except BaseException:

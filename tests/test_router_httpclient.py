@@ -96,6 +96,21 @@ async def test_sized_body_and_the_connection_is_kept_alive(tmp_path: Path) -> No
         assert seen.connections == 1 and seen.requests == [("POST", "/x", b'{"a": 1}'), ("GET", "/x", b"")]
 
 
+async def test_one_connection_carries_chunked_and_sized_answers_in_turn() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: Server) -> None:
+        while await seen.read_request(reader):
+            if len(seen.requests) % 2:
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 5\r\n\r\nsized")
+            await writer.drain()
+
+    async with backend(script) as (pool, seen):
+        answers = [await get(pool) for _ in range(4)]
+        assert answers == [(200, b"abcde"), (201, b"sized")] * 2
+        assert seen.connections == 1
+
+
 async def test_over_a_unix_socket(tmp_path: Path) -> None:
     async with backend(keep_alive(b"uds"), tmp_path) as (pool, seen):
         assert await get(pool) == (200, b"uds") and seen.connections == 1
