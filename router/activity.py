@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Send
 
+from procman import State
 from router.errors import RouterError
 from router.events import EventBus
 from router.loading import Feedback
@@ -178,19 +179,14 @@ class Activity:
         if self.bus.subscribers:
             self.bus.publish("request", record.row())
         token = _CURRENT.set(record)
-        feedback = Feedback.maybe(model, req, send, self.estimate(name))
+        # cold-start feedback only for a model that is not ready (the usual case: none, and no estimate looked up)
+        feedback = None if model.backend.state is State.READY else Feedback.maybe(model, req, send,
+                                                                                   self.estimate(name))
         watcher = _Watcher(record, feedback, send)
         try:
-            return await self._guarded(record, watcher, work)
-        finally:
-            _CURRENT.reset(token)
-            if feedback is not None:
-                await feedback.stop()
-            self._finish(record)
-
-    async def _guarded(self, record: RequestRecord, watcher: _Watcher, work: Callable[[Send], Awaitable[int]]) -> int:
-        try:
             status = await work(watcher)
+            record.status = status if record.status is None else record.status
+            return status
         except asyncio.CancelledError:
             if record.state != "cancelled":
                 record.state = "disconnected"
@@ -201,8 +197,11 @@ class Activity:
                                                 "the operator"))
         except RouterError as exc:
             return await watcher.fail(exc)
-        record.status = status if record.status is None else record.status
-        return status
+        finally:
+            _CURRENT.reset(token)
+            if feedback is not None:
+                await feedback.stop()
+            self._finish(record)
 
     def _finish(self, record: RequestRecord) -> None:
         record.duration_s = time.perf_counter() - record.t0
