@@ -74,7 +74,7 @@ class ModelServerProcess:
         transport = httpx.AsyncHTTPTransport(uds=str(self.uds)) if self.uds else None
         return httpx.AsyncClient(base_url=self.base_url, transport=transport, timeout=timeout_s)
 
-    def wait_log(self, needle: str, timeout_s: float = 10.0) -> str:
+    def wait_log(self, needle: str, timeout_s: float = 60.0) -> str:
         """The log once it holds ``needle`` (a request's access line is written after its response)."""
         deadline = time.monotonic() + timeout_s
         while needle not in (text := self.log_text()) and time.monotonic() < deadline:
