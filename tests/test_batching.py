@@ -15,21 +15,30 @@ HOLD_S = 60.0  # a wait no test may sit out: reaching the answer at all proves a
 
 
 class Pipeline:
-    """Records each call; ``gate`` (when set) keeps a call running until the test opens it."""
+    """Records each call's inputs; ``gate`` (when set) keeps a call running until the test opens it.
+
+    A request is a list of texts, its answer their upper case; "bad" fails the whole call,
+    "refused" only its own request (an answer that is an exception).
+    """
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
 
-    def __call__(self, items: list[str]) -> list[str]:
-        self.calls.append(list(items))
+    def __call__(self, requests: list[list[str]]) -> list[list[str] | BaseException]:
+        self.calls.append([item for request in requests for item in request])
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(10)
-        if any(item == "bad" for item in items):
+        if any(item == "bad" for item in self.calls[-1]):
             raise ValueError("bad input")
-        return [item.upper() for item in items]
+        return [ValueError("refused") if "refused" in request else [item.upper() for item in request]
+                for request in requests]
+
+
+async def submit(batcher: Batcher[list[str], list[str]], items: list[str]) -> list[str]:
+    return await batcher.submit(items, len(items))
 
 
 @pytest.fixture
@@ -39,10 +48,10 @@ def worker() -> Iterator[SerialWorker]:
     pool.close()
 
 
-async def _busy(pipeline: Pipeline, batcher: Batcher[str, str]) -> asyncio.Task[list[str]]:
+async def _busy(pipeline: Pipeline, batcher: Batcher[list[str], list[str]]) -> asyncio.Task[list[str]]:
     """Start a first request and return once the pipeline is inside its call, held by the gate."""
     pipeline.gate = threading.Event()
-    first = asyncio.ensure_future(batcher.submit(["first"]))
+    first = asyncio.ensure_future(submit(batcher, ["first"]))
     assert await asyncio.to_thread(pipeline.entered.wait, 10)
     return first
 
@@ -50,8 +59,8 @@ async def _busy(pipeline: Pipeline, batcher: Batcher[str, str]) -> asyncio.Task[
 async def test_a_lone_request_is_not_held_for_company(worker: SerialWorker) -> None:
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000))
-    assert await asyncio.wait_for(batcher.submit(["a", "b"]), 10) == ["A", "B"]
-    assert await asyncio.wait_for(batcher.submit(["c"]), 10) == ["C"]
+    assert await asyncio.wait_for(submit(batcher, ["a", "b"]), 10) == ["A", "B"]
+    assert await asyncio.wait_for(submit(batcher, ["c"]), 10) == ["C"]
     assert pipeline.calls == [["a", "b"], ["c"]]
 
 
@@ -59,7 +68,7 @@ async def test_requests_that_meet_while_a_batch_runs_go_together(worker: SerialW
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
     first = await _busy(pipeline, batcher)
-    rest = [asyncio.ensure_future(batcher.submit([text])) for text in ("x", "y", "z")]
+    rest = [asyncio.ensure_future(submit(batcher, [text])) for text in ("x", "y", "z")]
     await asyncio.sleep(0)  # let them queue
     pipeline.gate.set()  # type: ignore[union-attr]
     assert await first == ["FIRST"]
@@ -72,7 +81,7 @@ async def test_max_batch_splits_what_waited(worker: SerialWorker) -> None:
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0, max_batch=2))
     first = await _busy(pipeline, batcher)
-    rest = [asyncio.ensure_future(batcher.submit(items)) for items in (["a"], ["b"], ["c", "d", "e"])]
+    rest = [asyncio.ensure_future(submit(batcher, items)) for items in (["a"], ["b"], ["c", "d", "e"])]
     await asyncio.sleep(0)
     pipeline.gate.set()  # type: ignore[union-attr]
     await first
@@ -84,41 +93,50 @@ async def test_an_idle_model_holds_a_request_for_company_once_traffic_is_concurr
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000, max_batch=3))
     first = await _busy(pipeline, batcher)
-    pair = asyncio.gather(batcher.submit(["x"]), batcher.submit(["y"]))
+    pair = asyncio.gather(submit(batcher, ["x"]), submit(batcher, ["y"]))
     await asyncio.sleep(0)
     pipeline.gate.set()  # type: ignore[union-attr]
     await first
     await pair  # the last batch held two requests: the traffic is concurrent
-    waiting = asyncio.ensure_future(batcher.submit(["p"]))  # held: the model waits for company...
+    waiting = asyncio.ensure_future(submit(batcher, ["p"]))  # held: the model waits for company...
     await asyncio.sleep(0.05)
     assert not waiting.done() and pipeline.calls[-1] == ["x", "y"]
-    assert await asyncio.wait_for(batcher.submit(["q", "r"]), 10) == ["Q", "R"]  # ...until max_batch inputs
+    assert await asyncio.wait_for(submit(batcher, ["q", "r"]), 10) == ["Q", "R"]  # ...until max_batch inputs
     assert await waiting == ["P"]
     assert pipeline.calls[-1] == ["p", "q", "r"]
 
 
-async def test_a_failing_batch_fails_only_the_request_that_caused_it(worker: SerialWorker) -> None:
+@pytest.mark.parametrize(
+    ("bad", "calls"),
+    [
+        ("bad", [["ok", "bad"], ["ok"], ["bad"]]),  # the call raised: each request again alone
+        ("refused", [["ok", "refused"]]),  # the call answered that request with an exception: nothing run again
+    ],
+)
+async def test_an_error_reaches_only_the_request_that_caused_it(worker: SerialWorker, bad: str,
+                                                                calls: list[list[str]]) -> None:
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
     first = await _busy(pipeline, batcher)
-    good, bad = asyncio.ensure_future(batcher.submit(["ok"])), asyncio.ensure_future(batcher.submit(["bad"]))
+    good, failing = asyncio.ensure_future(submit(batcher, ["ok"])), asyncio.ensure_future(submit(batcher, [bad]))
     await asyncio.sleep(0)
     pipeline.gate.set()  # type: ignore[union-attr]
     await first
     assert await good == ["OK"]
-    with pytest.raises(ValueError, match="bad input"):
-        await bad
-    assert pipeline.calls[1:] == [["ok", "bad"], ["ok"], ["bad"]]
+    with pytest.raises(ValueError, match=bad):
+        await failing
+    assert pipeline.calls[1:] == calls
 
 
 async def test_a_request_cancelled_while_waiting_is_left_out(worker: SerialWorker) -> None:
     pipeline = Pipeline()
     batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=0))
     first = await _busy(pipeline, batcher)
-    gone, kept = asyncio.ensure_future(batcher.submit(["gone"])), asyncio.ensure_future(batcher.submit(["kept"]))
+    gone, kept = asyncio.ensure_future(submit(batcher, ["gone"])), asyncio.ensure_future(submit(batcher, ["kept"]))
     await asyncio.sleep(0)
     gone.cancel()
     pipeline.gate.set()  # type: ignore[union-attr]
     await first
     assert await kept == ["KEPT"]
     assert pipeline.calls == [["first"], ["kept"]]
+

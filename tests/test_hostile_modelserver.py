@@ -10,6 +10,7 @@ shape, the numbers the message must name, usage within the context.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -481,6 +482,20 @@ async def test_minilm_refuses_an_input_above_its_256_tokens_unless_truncate(tmp_
         cut = await client.post("/v1/embeddings", json={"input": texts, "truncate": True})
         assert cut.status_code == 200, cut.text
         assert cut.json()["usage"]["prompt_tokens"] == 5 + 256  # the long one counted as embedded: cut at 256
+    finally:
+        await client.aclose()
+        engine.close()
+
+
+@pytest.mark.real_model
+async def test_an_over_long_input_among_concurrent_requests_fails_only_its_own(tmp_path: Path) -> None:
+    engine, client = await real_encoder("embeddings", "minilm-ov", tmp_path)
+    try:
+        bodies = [{"input": "a short sentence"}, {"input": "word " * 300}, {"input": ["another", "one"]}]
+        good, long, pair = await asyncio.gather(*(client.post("/v1/embeddings", json=body) for body in bodies))
+        assert_400(long, "input", "input: 302 tokens", code="context_length_exceeded")
+        assert [len(r.json()["data"]) for r in (good, pair)] == [1, 2]
+        assert engine.stats()["failed"] == 0  # refused in the batch, not by a failed pipeline call
     finally:
         await client.aclose()
         engine.close()

@@ -22,6 +22,7 @@ import soundfile
 from modelserver_helpers import ModelServerProcess, modelserver
 from tasks_helpers import assert_error, audio_file, image_data_url, speech_file, sse_events
 
+from modelserver.engines.media_base import RerankResult
 from modelserver.spec import build_model_spec
 
 pytestmark = pytest.mark.real_model
@@ -163,10 +164,11 @@ def test_a_rerank_batch_gives_each_request_what_it_gets_alone() -> None:
     engine = load(build_model_spec("rerank", {"task": "rerank", "path": model_path("rerank-tiny-ov")}))
     try:
         docs = [["a cat", "the mat"], ["stock markets fell", "a cat", "dogs bark"], ["the mat"]]
-        jobs = [(query, documents) for query in ("cat on a mat", "markets") for documents in docs]
+        jobs = [(query, documents, False) for query in ("cat on a mat", "markets") for documents in docs]
         together = engine._rerank_all(jobs)  # what the batcher calls for requests that met
         for job, result in zip(jobs, together, strict=True):
             (alone,) = engine._rerank_all([job])
+            assert isinstance(result, RerankResult) and isinstance(alone, RerankResult)
             assert [index for index, _ in result.ranking] == [index for index, _ in alone.ranking]
             assert [score for _, score in result.ranking] == pytest.approx([score for _, score in alone.ranking],
                                                                            abs=1e-4)

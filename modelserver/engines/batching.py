@@ -1,17 +1,18 @@
-"""Dynamic batching: concurrent requests to one model gathered into one pipeline call.
+"""Dynamic batching: concurrent requests to one model gathered into one call on its worker.
 
 ::
 
     request --submit--> pending ──(worker idle and: max_batch inputs, or the oldest waited
-                                   batch_wait_ms, or the traffic is serial)──> one call on the
-                                   model's SerialWorker ──> each request's slice of the answer
+                                   batch_wait_ms, or the traffic is serial)──> run(requests) on
+                                   the model's SerialWorker ──> each request's own answer
 
 Requests that arrive while a batch runs wait for it to end and then go together, so under
 load the batch size follows the concurrency by itself; ``batch_wait_ms`` only decides how
 long an idle model holds a request for company. A request that arrives alone while the
 previous batch was alone too (serial traffic: one client, or a few far apart) is not held
-at all. A batch whose call fails is run again request by request, so an error reaches only
-the request that caused it.
+at all. ``run`` answers each request on its own: a result, or the exception that request
+fails with (a 400 for its input, say) while the others get theirs. A batch whose call
+raises is run again request by request, so an error reaches only the request that caused it.
 
 Everything here runs on the event loop (no locks); the blocking call runs on the worker.
 """
@@ -26,10 +27,10 @@ from typing import Any, Generic, TypeVar
 
 from modelserver.engines.media_base import SerialWorker
 
-__all__ = ["BatchOptions", "Batcher"]
+__all__ = ["BatchOptions", "Batcher", "split"]
 
-In = TypeVar("In")
-Out = TypeVar("Out")
+Req = TypeVar("Req")
+Res = TypeVar("Res")
 
 DEFAULT_WAIT_MS = 2.0
 DEFAULT_MAX_BATCH = 32
@@ -44,24 +45,28 @@ class BatchOptions:
 
 
 @dataclass(slots=True, eq=False)
-class _Pending(Generic[In, Out]):
-    items: list[In]
-    future: asyncio.Future[list[Out]]
+class _Pending(Generic[Req, Res]):
+    request: Req
+    size: int
+    future: asyncio.Future[Res]
     since: float = field(default_factory=time.monotonic)
 
 
-class Batcher(Generic[In, Out]):
-    """``await submit(items)`` -> ``run(items)``'s answers for these items, computed in a batch with others.
+class Batcher(Generic[Req, Res]):
+    """``await submit(request, size)`` -> ``run``'s answer for ``request``, computed in one call with others.
 
-    ``run`` maps a list of inputs to one answer per input, in order; it is called on ``worker``.
+    ``run`` maps a list of requests to one answer per request, in order (a result, or an
+    exception for that request alone); it is called on ``worker``. ``size`` is the request's
+    number of inputs, which ``max_batch`` counts.
     """
 
-    def __init__(self, worker: SerialWorker, run: Callable[[list[In]], Sequence[Out]], options: BatchOptions) -> None:
+    def __init__(self, worker: SerialWorker, run: Callable[[list[Req]], Sequence[Res | BaseException]],
+                 options: BatchOptions) -> None:
         self._worker = worker
         self._run = run
         self._wait_s = max(0.0, options.wait_ms) / 1000
         self._max = max(1, options.max_batch)
-        self._pending: list[_Pending[In, Out]] = []
+        self._pending: list[_Pending[Req, Res]] = []
         self._busy = False
         self._timer: asyncio.TimerHandle | None = None
         self._last_alone = True  # the previous batch held a single request
@@ -71,14 +76,14 @@ class Batcher(Generic[In, Out]):
     def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "largest_batch": self.largest}
 
-    async def submit(self, items: Sequence[In]) -> list[Out]:
-        future: asyncio.Future[list[Out]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(list(items), future))
+    async def submit(self, request: Req, size: int = 1) -> Res:
+        future: asyncio.Future[Res] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(request, size, future))
         self._consider()
         return await future
 
     def _inputs(self) -> int:
-        return sum(len(p.items) for p in self._pending)
+        return sum(p.size for p in self._pending)
 
     def _consider(self, batch_ended: bool = False) -> None:
         """Dispatch now when due, else make sure a timer will look again when the oldest request is due.
@@ -100,14 +105,14 @@ class Batcher(Generic[In, Out]):
         self._timer = None
         self._consider()
 
-    def _take(self) -> list[_Pending[In, Out]]:
+    def _take(self) -> list[_Pending[Req, Res]]:
         """The oldest requests up to ``max_batch`` inputs (always at least one, however large)."""
-        taken: list[_Pending[In, Out]] = []
+        taken: list[_Pending[Req, Res]] = []
         count = 0
-        while self._pending and (not taken or count + len(self._pending[0].items) <= self._max):
+        while self._pending and (not taken or count + self._pending[0].size <= self._max):
             request = self._pending.pop(0)
             taken.append(request)
-            count += len(request.items)
+            count += request.size
         return taken
 
     def _dispatch(self) -> None:
@@ -118,48 +123,54 @@ class Batcher(Generic[In, Out]):
         self._busy = True
         self._last_alone = len(batch) == 1
         self.batches += 1
-        self.largest = max(self.largest, sum(len(p.items) for p in batch))
-        task = asyncio.ensure_future(self._worker.run(self._call, [list(p.items) for p in batch]))
+        self.largest = max(self.largest, sum(p.size for p in batch))
+        task = asyncio.ensure_future(self._worker.run(self._call, [p.request for p in batch]))
         task.add_done_callback(lambda done: self._finish(batch, done))
 
-    def _call(self, groups: list[list[In]]) -> list[list[Out] | BaseException]:
-        """On the worker: one call for every group; on failure, each group alone (the error reaches its owner)."""
+    def _call(self, requests: list[Req]) -> list[Res | BaseException]:
+        """On the worker: one call for every request; if it raises, each request alone (the error reaches its owner)."""
         try:
-            return _split(list(self._run([item for group in groups for item in group])), groups)
+            return self._answers(requests)
         except Exception as exc:
-            if len(groups) == 1:
+            if len(requests) == 1:
                 return [exc]
-        answers: list[list[Out] | BaseException] = []
-        for group in groups:
+        answers: list[Res | BaseException] = []
+        for request in requests:
             try:
-                answers.append(list(self._run(group)))
+                answers += self._answers([request])
             except Exception as exc:
                 answers.append(exc)
         return answers
 
-    def _finish(self, batch: list[_Pending[In, Out]], done: asyncio.Future[list[list[Out] | BaseException]]) -> None:
+    def _answers(self, requests: list[Req]) -> list[Res | BaseException]:
+        answers = list(self._run(requests))
+        if len(answers) != len(requests):
+            raise RuntimeError(f"the batch returned {len(answers)} answers for {len(requests)} requests")
+        return answers
+
+    def _finish(self, batch: list[_Pending[Req, Res]], done: asyncio.Future[list[Res | BaseException]]) -> None:
         self._busy = False
         if done.cancelled() or done.exception() is not None:  # the worker itself failed (shut down)
             error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-            answers: list[list[Out] | BaseException] = [error or RuntimeError("batch lost")] * len(batch)
+            answers: list[Res | BaseException] = [error or RuntimeError("batch lost")] * len(batch)
         else:
             answers = done.result()
-        for request, answer in zip(batch, answers, strict=True):
-            if request.future.done():
+        for pending, answer in zip(batch, answers, strict=True):
+            if pending.future.done():
                 continue
             if isinstance(answer, BaseException):
-                request.future.set_exception(answer)
+                pending.future.set_exception(answer)
             else:
-                request.future.set_result(answer)
+                pending.future.set_result(answer)
         self._consider(batch_ended=True)
 
 
-def _split(flat: list[Out], groups: list[list[In]]) -> list[list[Out] | BaseException]:
-    if len(flat) != sum(len(group) for group in groups):
-        raise RuntimeError(f"the pipeline returned {len(flat)} answers for {sum(map(len, groups))} inputs")
-    answers: list[list[Out] | BaseException] = []
-    start = 0
-    for group in groups:
-        answers.append(flat[start : start + len(group)])
-        start += len(group)
-    return answers
+def split(flat: Sequence[Res], sizes: Sequence[int]) -> list[list[Res]]:
+    """``flat`` cut into consecutive pieces of ``sizes``."""
+    if len(flat) != sum(sizes):
+        raise RuntimeError(f"the pipeline returned {len(flat)} answers for {sum(sizes)} inputs")
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(list(flat[start : start + size]))
+        start += size
+    return pieces

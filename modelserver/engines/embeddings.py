@@ -29,13 +29,13 @@ from typing import Any
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import EmbeddingResult
-from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions
+from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions, split
 from modelserver.engines.context import check_inputs, context_length, token_counts
 from modelserver.engines.media_base import SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.st_metadata import declared_options
 from modelserver.engines.task_options import ir_folder, task_options
-from modelserver.errors import LoadError
+from modelserver.errors import LoadError, RequestError
 from modelserver.spec import ModelSpec
 
 __all__ = ["OPTIONS", "OpenVINOEmbedder", "batch_options", "load"]
@@ -59,6 +59,9 @@ POOLING = {"cls": "CLS", "mean": "MEAN", "last_token": "LAST_TOKEN"}
 
 #: One input's answer inside a batch: its vector and its token count.
 Row = tuple[list[float], int]
+
+#: One request inside a batch: its texts, and whether an input above ``max_length`` is cut (else a 400).
+Job = tuple[list[str], bool]
 
 
 def batch_options(spec: ModelSpec, options: dict[str, Any]) -> BatchOptions:
@@ -101,7 +104,7 @@ class OpenVINOEmbedder:
         self._load_s = load_s
         self._worker = SerialWorker(f"embed-{spec.name}")
         self._batching = batching or BatchOptions()
-        self._batcher: Batcher[str, Row] = Batcher(self._worker, self._embed, self._batching)
+        self._batcher: Batcher[Job, list[Row]] = Batcher(self._worker, self._embed_all, self._batching)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -122,18 +125,36 @@ class OpenVINOEmbedder:
         self._worker.close()
 
     async def embed(self, texts: Sequence[str], truncate: bool = False) -> EmbeddingResult:
-        if not truncate:
-            check_inputs(token_counts(self._tokenizer, texts), self._config.max_length, "input", truncate)
-        rows = await self._batcher.submit(texts)
+        rows = await self._batcher.submit((list(texts), truncate), len(texts))
         return EmbeddingResult(vectors=[vector for vector, _ in rows], prompt_tokens=sum(count for _, count in rows))
 
-    def _embed(self, texts: list[str]) -> list[Row]:
-        vectors = self._pipe.embed_documents(texts)
-        return [(list(map(float, v)), count) for v, count in zip(vectors, self._counts(texts), strict=True)]
+    def _embed_all(self, jobs: list[Job]) -> list[list[Row] | BaseException]:
+        """On the worker: every job's token counts in one encode, then one pipeline call for the jobs that fit.
 
-    def _counts(self, texts: list[str]) -> list[int]:
+        The counts are taken here rather than per request on the event loop: the tokenizer holds
+        the GIL, and one encode of the whole batch costs about what one of a single text does.
+        """
+        sizes = [len(texts) for texts, _ in jobs]
+        counts = split(token_counts(self._tokenizer, [text for texts, _ in jobs for text in texts]), sizes)
+        refusals = [self._refusal(job_counts, truncate) for job_counts, (_, truncate) in zip(counts, jobs, strict=True)]
+        accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
+        flat = [text for texts in accepted for text in texts]
+        vectors = iter(split(self._pipe.embed_documents(flat) if flat else [], [len(texts) for texts in accepted]))
+        return [refusal or self._rows(next(vectors), job_counts) for job_counts, refusal in zip(counts, refusals,
+                                                                                                 strict=True)]
+
+    def _rows(self, vectors: list[Any], counts: list[int]) -> list[Row]:
+        """Each vector with its token count (capped at ``max_length``: what the pipeline embedded)."""
         limit = self._config.max_length or None
-        return [min(count, limit or count) for count in token_counts(self._tokenizer, texts)]
+        return [(list(map(float, v)), min(n, limit or n)) for v, n in zip(vectors, counts, strict=True)]
+
+    def _refusal(self, counts: list[int], truncate: bool) -> RequestError | None:
+        """The 400 of a job with an input above ``max_length`` (unless it asked to ``truncate``)."""
+        try:
+            check_inputs(counts, self._config.max_length, "input", truncate)
+        except RequestError as exc:
+            return exc
+        return None
 
 
 def load(spec: ModelSpec) -> OpenVINOEmbedder:

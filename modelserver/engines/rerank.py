@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import openvino_genai as ov_genai
 
-from modelserver.engines.batching import Batcher, BatchOptions
+from modelserver.engines.batching import Batcher, BatchOptions, split
 from modelserver.engines.context import check_inputs, context_length, token_counts
 from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
-from modelserver.errors import LoadError
+from modelserver.errors import LoadError, RequestError
 from modelserver.spec import ModelSpec
 
 __all__ = ["OPTIONS", "OpenVINOReranker", "load"]
@@ -49,8 +49,8 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "max_batch": int,
 }
 
-#: One request: the query and its documents.
-Job = tuple[str, list[str]]
+#: One request: the query, its documents, and whether a pair above ``max_length`` is cut (else a 400).
+Job = tuple[str, list[str], bool]
 
 #: ``top_n`` of the pipeline itself: large enough to return every document of any request.
 ALL_DOCUMENTS = 1 << 30
@@ -81,28 +81,34 @@ class OpenVINOReranker:
         self._worker.close()
 
     async def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> RerankResult:
-        if not truncate and self._max_length is not None:
-            query_tokens, *counts = token_counts(self._tokenizer, [query, *documents], special=False)
-            pairs = [query_tokens + count + self._pair_tokens for count in counts]
+        return await self._batcher.submit((query, list(documents), truncate))
+
+    def _rerank_all(self, jobs: list[Job]) -> list[RerankResult | BaseException]:
+        """On the worker: every job's token counts in one encode, then each job that fits ranked (one call each).
+
+        The counts are taken here rather than per request on the event loop: the tokenizer holds
+        the GIL, and one encode of the whole batch costs about what one of a single request does.
+        """
+        texts = [text for query, documents, _ in jobs for text in (query, *documents)]
+        counts = split(token_counts(self._tokenizer, texts, special=False), [1 + len(docs) for _, docs, _ in jobs])
+        return [self._refusal(job_counts, truncate) or self._ranked(query, documents, job_counts)
+                for (query, documents, truncate), job_counts in zip(jobs, counts, strict=True)]
+
+    def _ranked(self, query: str, documents: list[str], counts: list[int]) -> RerankResult:
+        """``counts``: the query's tokens, then each document's (special tokens excluded)."""
+        ranking = [(int(i), float(score)) for i, score in self._pipe.rerank(query, documents)]
+        query_tokens, *document_tokens = counts
+        return RerankResult(ranking=ranking, prompt_tokens=query_tokens * len(documents) + sum(document_tokens))
+
+    def _refusal(self, counts: list[int], truncate: bool) -> RequestError | None:
+        """The 400 of a job with a query + document above ``max_length`` (unless it asked to ``truncate``)."""
+        query_tokens, *document_tokens = counts
+        pairs = [query_tokens + count + self._pair_tokens for count in document_tokens]
+        try:
             check_inputs(pairs, self._max_length, "documents", truncate)
-        (result,) = await self._batcher.submit([(query, list(documents))])
-        return result
-
-    def _rerank_all(self, jobs: list[Job]) -> list[RerankResult]:
-        """On the worker: each job's ranking (one pipeline call each), the token counts in one encode."""
-        rankings = [[(int(i), float(score)) for i, score in self._pipe.rerank(query, docs)] for query, docs in jobs]
-        counts = self._counts(jobs)
-        return [RerankResult(ranking=ranking, prompt_tokens=count) for ranking, count in zip(rankings, counts,
-                                                                                            strict=True)]
-
-    def _counts(self, jobs: list[Job]) -> list[int]:
-        texts = [text for query, documents in jobs for text in (query, *documents)]
-        counts, start, totals = token_counts(self._tokenizer, texts, special=False), 0, []
-        for _, documents in jobs:
-            end = start + 1 + len(documents)
-            totals.append(counts[start] * len(documents) + sum(counts[start + 1 : end]))
-            start = end
-        return totals
+        except RequestError as exc:
+            return exc
+        return None
 
 
 def load(spec: ModelSpec) -> OpenVINOReranker:
