@@ -165,8 +165,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
 
 
 def _finished(job: Job, tail: bytes) -> bool:
-    last = job.log.sent[-1] if job.log is not None and job.log.sent else b""
-    return b"[DONE]" in tail or last.rstrip().endswith(b"[DONE]")
+    return b"[DONE]" in tail  # StreamLog holds the closing [DONE] back until the stream ended cleanly
 
 
 async def _relay_chunk(job: Job, chunk: bytes) -> None:

@@ -28,6 +28,7 @@ from router.errors import RouterError, error_body
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
 from router.request import HOP_BY_HOP
+from router.resume import held_done
 from router.upstream import UpstreamReply
 
 __all__ = ["DONE_PATHS", "Relayed", "Tally", "cut_reason", "relay", "run_until_disconnect", "send_error"]
@@ -63,21 +64,29 @@ async def send_error(send: Send, exc: RouterError) -> None:
 
 
 class Tally:
-    """What an OpenAI stream relayed so far: its ``data:`` events (chunks) and whether ``[DONE]`` ended it."""
+    """What an OpenAI stream relayed so far: its ``data:`` events (chunks), and its closing ``data: [DONE]``,
+    held back until the stream ends cleanly (a server that sends it and then breaks the connection must not
+    have its client stop there, before the router's error event)."""
 
-    __slots__ = ("_tail", "chunks")
+    __slots__ = ("chunks", "held")
 
     def __init__(self) -> None:
         self.chunks = 0
-        self._tail = b""
+        self.held = b""
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes) -> bytes:
+        """What of ``data`` to send now: all of it but a closing ``[DONE]`` event."""
+        if self.held:  # more after a [DONE]: it was not the end after all
+            data, self.held = self.held + data, b""
+        if b"[DONE]" in data:
+            done = held_done(data)
+            data, self.held = data[:done], data[done:]
         self.chunks += data.count(b"data:")
-        self._tail = (self._tail + data[-16:])[-16:]
+        return data
 
     @property
     def done(self) -> bool:
-        return b"[DONE]" in self._tail
+        return bool(self.held)
 
 
 async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | None = None, *,
@@ -93,12 +102,11 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
             if tally is None:
                 await send({"type": "http.response.body", "body": body})
                 return resp.status
-            tally.feed(body)
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": tally.feed(body), "more_body": True})
         else:
             async for chunk in resp.iter_chunks(idle_s):
-                if tally is not None:
-                    tally.feed(chunk)
+                if tally is not None and not (chunk := tally.feed(chunk)):
+                    continue  # all of it was the closing [DONE], held back
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as exc:
         await _end_broken_stream(model, resp, send, exc, tally, lease, grace_s)
@@ -108,7 +116,7 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
         log.warning("%s", reason)
         await _end_with_error(send, reason)
         raise Relayed(resp.status)
-    await send({"type": "http.response.body", "body": b""})
+    await send({"type": "http.response.body", "body": tally.held if tally is not None else b""})
     return resp.status
 
 

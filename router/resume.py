@@ -75,7 +75,13 @@ def _constrained(data: dict[str, Any]) -> bool:
 
 
 class StreamLog:
-    """The SSE events relayed to the client so far; :meth:`cut` lets only whole events through."""
+    """The SSE events relayed to the client so far; :meth:`cut` lets only whole events through.
+
+    A closing ``data: [DONE]`` is held back until the stream ends cleanly (:meth:`rest`): a
+    server that sends it and then breaks the connection (llama-cpp-python, cutting a stream
+    for a concurrent request) must not have its client stop at that ``[DONE]`` before the
+    router's error event.
+    """
 
     __slots__ = ("_pending", "sent")
 
@@ -93,13 +99,27 @@ class StreamLog:
             self._pending = data
             return b""
         whole, self._pending = data[: end + 2], data[end + 2 :]
-        self.sent.append(whole)
+        done = held_done(whole)
+        if done < len(whole):
+            whole, self._pending = whole[:done], whole[done:] + self._pending
+        if whole:
+            self.sent.append(whole)
         return whole
 
     def rest(self) -> bytes:
-        """What is left at the end of an unbroken stream (normally nothing)."""
+        """What is left at the end of an unbroken stream: a held ``[DONE]``, else normally nothing."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+def held_done(whole: bytes) -> int:
+    """Where the closing ``data: [DONE]`` event of ``whole`` (whole events) starts; ``len(whole)`` when it has none."""
+    start = whole.rfind(b"data: [DONE]")
+    if start < 0:
+        start = whole.rfind(b"data:[DONE]")
+    if start < 0 or whole[start:].rstrip() not in (b"data: [DONE]", b"data:[DONE]"):
+        return len(whole)
+    return start
 
 
 def events(raw: bytes) -> list[Any]:

@@ -51,6 +51,14 @@ def test_stream_log_takes_crlf_events_as_sse_starlette_writes_them() -> None:
     assert events(b"".join(log.sent)) == [{"a": 1}, {"b": 2}]
 
 
+def test_stream_log_holds_the_closing_done_until_the_stream_ends_cleanly() -> None:
+    log = StreamLog()
+    assert log.cut(b'data: {"a":1}\n\ndata: [DONE]\n\n') == b'data: {"a":1}\n\n'
+    assert log.sent == [b'data: {"a":1}\n\n'] and log.rest() == b"data: [DONE]\n\n"
+    odd = StreamLog()  # events after a [DONE]: it was not the end, it goes out in order
+    assert odd.cut(b"data: [DONE]\n\n") == b"" and odd.cut(b'data: {"b":2}\n\n') == b'data: [DONE]\n\ndata: {"b":2}\n\n'
+
+
 def test_only_single_unconstrained_streams_are_resumable() -> None:
     def resumable(path: str = "/v1/chat/completions", **extra: Any) -> bool:
         return plan(path, json.dumps(chat_body(**extra)).encode(), 512) is not None

@@ -14,8 +14,9 @@ with CRLF line breaks (``data: ...\r\n\r\n``), as sse-starlette, that server's S
   by itself. Without ``stream``: a short JSON answer.
 - ``GET /v1/models``, and any chat or completion request, takes the model: while a stream
   is in progress it cuts that stream (unless ``--no-interrupt``). ``--cut abort`` (the
-  default, what a client of llama-cpp-python sees) closes the connection mid-body; ``--cut
-  clean`` ends the chunked body properly, but without ``[DONE]``.
+  default, what llama-cpp-python 0.3 does) sends ``data: [DONE]`` and closes the connection
+  mid-body (no final chunk, no ``finish_reason``); ``--cut clean`` ends the chunked body
+  properly, but without ``[DONE]``.
 - ``GET /health``: 200, takes nothing (llama.cpp's own server has this path).
 - ``GET /stats``: ``{"pid", "models_requests", "cuts", "streams", "holding"}``, takes nothing;
   ``holding``: streams sent their K chunks and wait.
@@ -98,6 +99,8 @@ async def stream(writer: asyncio.StreamWriter, chat: bool) -> bool:
         STATS["cuts"] += 1
         print(f"stream cut by a concurrent request ({ARGS.cut})", flush=True)
         if ARGS.cut == "abort":
+            writer.write(b"10\r\ndata: [DONE]\r\n\r\n\r\n")
+            await writer.drain()
             writer.transport.abort()
             return False
         writer.write(b"0\r\n\r\n")
