@@ -1,5 +1,5 @@
 """``ovrouter serve`` as a real process: SIGKILL leaves no model process, SIGTERM lets a
-stream finish and stops every model, ``ovrouter status`` prints the table."""
+stream finish and stops every model, SIGHUP reloads the config, ``ovrouter status`` prints the table."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 import pytest
+import yaml
 
 from tests.modelserver_helpers import free_port
 from tests.router_helpers import fake_model, write_config
@@ -142,3 +144,21 @@ def test_status_command_prints_the_models_table(tmp_path: Path) -> None:
             text=True,
         )
         assert denied.returncode == 1 and "401" in denied.stderr
+
+
+def test_sighup_reloads_the_config(tmp_path: Path) -> None:
+    """Signalled as a user would (``kill -HUP``): a real process, never the test runner's own."""
+    port = free_port()
+    config = write_config(tmp_path, {"echo": fake_model()})
+    with router_process(config, port) as proc:
+        data = yaml.safe_load(config.read_text())
+        data["models"]["hup"] = fake_model()
+        config.with_suffix(".tmp").write_text(yaml.safe_dump(data, sort_keys=False))
+        os.replace(config.with_suffix(".tmp"), config)
+        proc.send_signal(signal.SIGHUP)
+        deadline, status = time.monotonic() + 60, dict[str, Any]()
+        while "hup" not in status.get("models", {}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status = httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=5).json()
+        assert sorted(status["models"]) == ["echo", "hup"] and status["last_reload"]["source"] == "SIGHUP"
+        assert proc.poll() is None  # reloaded, still serving

@@ -1,12 +1,11 @@
 """Hot reload over real processes: add, remove, change, router-only change, invalid file,
-and each trigger (POST /api/reload, a rename-save picked up by watchfiles, SIGHUP)."""
+and each trigger (POST /api/reload, a rename-save picked up by watchfiles; SIGHUP in test_router_process.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -156,12 +155,3 @@ async def test_a_saved_edit_is_picked_up_by_the_watcher(tmp_path: Path) -> None:
         # a second save: the watch survived a rename
         await save_until(path, lambda d: d["models"].update(third=fake_model()), lambda: "third" in models)
         assert router.service.last_reload["source"] == "watch"
-
-
-async def test_sighup_reloads(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"echo": fake_model()})
-    async with running_router(path) as router:
-        rewrite(path, lambda d: d["models"].update(hup=fake_model()))
-        os.kill(os.getpid(), signal.SIGHUP)
-        await wait_for(lambda: "hup" in router.service.registry.models, 60, "SIGHUP reload")
-        assert router.service.last_reload["source"] == "SIGHUP"
