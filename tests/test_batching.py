@@ -89,21 +89,37 @@ async def test_max_batch_splits_what_waited(worker: SerialWorker) -> None:
     assert pipeline.calls == [["first"], ["a", "b"], ["c", "d", "e"]]  # one request larger than max_batch goes alone
 
 
-async def test_an_idle_model_holds_a_request_for_company_once_traffic_is_concurrent(worker: SerialWorker) -> None:
+async def test_an_idle_model_holds_requests_until_those_it_answered_are_back(worker: SerialWorker) -> None:
     pipeline = Pipeline()
-    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000, max_batch=3))
-    first = await _busy(pipeline, batcher)
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000))
+    first = await _busy(pipeline, batcher)  # alone: not held
     pair = asyncio.gather(submit(batcher, ["x"]), submit(batcher, ["y"]))
     await asyncio.sleep(0)
     pipeline.gate.set()  # type: ignore[union-attr]
-    await first
-    await pair  # the last batch held two requests: the traffic is concurrent
-    waiting = asyncio.ensure_future(submit(batcher, ["p"]))  # held: the model waits for company...
+    assert await first == ["FIRST"]  # three requests were under way as it ended: x and y wait for a third
     await asyncio.sleep(0.05)
-    assert not waiting.done() and pipeline.calls[-1] == ["x", "y"]
-    assert await asyncio.wait_for(submit(batcher, ["q", "r"]), 10) == ["Q", "R"]  # ...until max_batch inputs
-    assert await waiting == ["P"]
-    assert pipeline.calls[-1] == ["p", "q", "r"]
+    assert not pair.done() and pipeline.calls == [["first"]]
+    assert await asyncio.wait_for(submit(batcher, ["p"]), 10) == ["P"]  # first's client is back
+    assert list(await pair) == [["X"], ["Y"]]
+    assert pipeline.calls == [["first"], ["x", "y", "p"]]
+
+
+async def test_max_batch_inputs_end_the_hold(worker: SerialWorker) -> None:
+    pipeline = Pipeline()
+    batcher = Batcher(worker, pipeline, BatchOptions(wait_ms=HOLD_S * 1000, max_batch=3))
+    first = await _busy(pipeline, batcher)
+    held = [asyncio.ensure_future(submit(batcher, [text])) for text in ("a", "b", "c", "d")]
+    await asyncio.sleep(0)
+    pipeline.gate.set()  # type: ignore[union-attr]
+    await first  # five were under way, but three inputs fill a batch
+    assert [await r for r in held[:3]] == [["A"], ["B"], ["C"]]
+    more = [asyncio.ensure_future(submit(batcher, ["e"]))]
+    await asyncio.sleep(0.05)
+    assert not held[3].done()  # d and e wait for the clients of a, b and c...
+    more.append(asyncio.ensure_future(submit(batcher, ["f"])))
+    assert await asyncio.wait_for(held[3], 10) == ["D"]  # ...until a third input fills the batch
+    assert [await r for r in more] == [["E"], ["F"]]
+    assert pipeline.calls == [["first"], ["a", "b", "c"], ["d", "e", "f"]]
 
 
 @pytest.mark.parametrize(

@@ -2,17 +2,26 @@
 
 ::
 
-    request --submit--> pending ──(worker idle and: max_batch inputs, or the oldest waited
-                                   batch_wait_ms, or the traffic is serial)──> run(requests) on
-                                   the model's SerialWorker ──> each request's own answer
+    request --submit--> pending ──(worker idle and: as many requests as were under way when
+                                   the last batch ended, or max_batch inputs, or batch_wait_ms
+                                   held)──> run(requests) on the model's SerialWorker
+                                   ──> each request's own answer
 
 Requests that arrive while a batch runs wait for it to end and then go together, so under
-load the batch size follows the concurrency by itself; ``batch_wait_ms`` only decides how
-long an idle model holds a request for company. A request that arrives alone while the
-previous batch was alone too (serial traffic: one client, or a few far apart) is not held
-at all. ``run`` answers each request on its own: a result, or the exception that request
-fails with (a 400 for its input, say) while the others get theirs. A batch whose call
-raises is run again request by request, so an error reaches only the request that caused it.
+load the batch size follows the concurrency by itself. An idle model then holds its requests
+for company until as many are waiting as were under way when the last batch ended (the
+clients it just answered come back): at most ``batch_wait_ms`` after a request came or,
+right after a batch, ``batch_wait_ms`` or a quarter of that batch's call, whichever is
+longer, after it ended. Without that hold, N closed-loop clients settle into two alternating
+half batches (the requests that came during a batch leave as it ends, before the ones it
+answered are back), and on a busy machine their return trip takes longer than a fixed few
+milliseconds: answering and parsing 16 requests costs a fair part of what computing them
+does. Serial traffic (one client, or a few far apart) is not held at all: the last batch
+ended with one request under way.
+
+``run`` answers each request on its own: a result, or the exception that request fails with
+(a 400 for its input, say) while the others get theirs. A batch whose call raises is run
+again request by request, so an error reaches only the request that caused it.
 
 Everything here runs on the event loop (no locks); the blocking call runs on the worker.
 """
@@ -67,9 +76,10 @@ class Batcher(Generic[Req, Res]):
         self._wait_s = max(0.0, options.wait_ms) / 1000
         self._max = max(1, options.max_batch)
         self._pending: list[_Pending[Req, Res]] = []
-        self._busy = False
+        self._busy_since: float | None = None  # when the running batch was dispatched; None: idle
         self._timer: asyncio.TimerHandle | None = None
-        self._last_alone = True  # the previous batch held a single request
+        self._expected = 1  # requests under way when the last batch ended: the company to wait for
+        self._return_by = 0.0  # until when an idle model waits for the clients its last batch answered
         self.batches = 0
         self.largest = 0
 
@@ -85,21 +95,20 @@ class Batcher(Generic[Req, Res]):
     def _inputs(self) -> int:
         return sum(p.size for p in self._pending)
 
-    def _consider(self, batch_ended: bool = False) -> None:
+    def _consider(self) -> None:
         """Dispatch now when due, else make sure a timer will look again when the oldest request is due.
 
-        Due: the model is idle and the requests waited out a batch (``batch_ended``), or the traffic
-        is serial, or the oldest waited ``batch_wait_ms``, or ``max_batch`` inputs are waiting.
+        Due (the model idle): the expected company is waiting, or ``max_batch`` inputs are, or the
+        oldest request waited ``batch_wait_ms`` and the return trip of the last batch's clients is over.
         """
         self._pending = [p for p in self._pending if not p.future.done()]  # cancelled while waiting
-        if self._busy or not self._pending:
+        if self._busy_since is not None or not self._pending:
             return
-        serial = self._last_alone and len(self._pending) == 1
-        waited = time.monotonic() - self._pending[0].since
-        if batch_ended or serial or waited >= self._wait_s or self._inputs() >= self._max:
+        now, due = time.monotonic(), max(self._pending[0].since + self._wait_s, self._return_by)
+        if len(self._pending) >= self._expected or self._inputs() >= self._max or now >= due:
             self._dispatch()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._wait_s - waited, self._on_timer)
+            self._timer = asyncio.get_running_loop().call_later(due - now, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -120,8 +129,7 @@ class Batcher(Generic[Req, Res]):
             self._timer.cancel()
             self._timer = None
         batch = self._take()
-        self._busy = True
-        self._last_alone = len(batch) == 1
+        self._busy_since = time.monotonic()
         self.batches += 1
         self.largest = max(self.largest, sum(p.size for p in batch))
         task = asyncio.ensure_future(self._worker.run(self._call, [p.request for p in batch]))
@@ -149,7 +157,8 @@ class Batcher(Generic[Req, Res]):
         return answers
 
     def _finish(self, batch: list[_Pending[Req, Res]], done: asyncio.Future[list[Res | BaseException]]) -> None:
-        self._busy = False
+        call_s = time.monotonic() - (self._busy_since or 0.0)
+        self._busy_since = None
         if done.cancelled() or done.exception() is not None:  # the worker itself failed (shut down)
             error = done.exception() if not done.cancelled() else asyncio.CancelledError()
             answers: list[Res | BaseException] = [error or RuntimeError("batch lost")] * len(batch)
@@ -162,7 +171,10 @@ class Batcher(Generic[Req, Res]):
                 pending.future.set_exception(answer)
             else:
                 pending.future.set_result(answer)
-        self._consider(batch_ended=True)
+        self._pending = [p for p in self._pending if not p.future.done()]
+        self._expected = len(batch) + len(self._pending)
+        self._return_by = time.monotonic() + (max(self._wait_s, call_s / 4) if self._wait_s > 0 else 0.0)
+        self._consider()
 
 
 def split(flat: Sequence[Res], sizes: Sequence[int]) -> list[list[Res]]:
