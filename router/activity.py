@@ -113,31 +113,37 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
+#: What the figures keep of a finished request: (started_at, status, ttft_s, tokens_per_s). A plain tuple of
+#: numbers, which the garbage collector stops tracking; a window of whole records (each holding its task) put
+#: some thousand short-lived objects in front of every full collection.
+Sample = tuple[float, int | None, float | None, float | None]
+
+
 class ModelStats:
     """The last few minutes of one model's finished requests, for the dashboard's figures."""
 
     def __init__(self) -> None:
-        self._done: collections.deque[RequestRecord] = collections.deque(maxlen=2000)
+        self._done: collections.deque[Sample] = collections.deque(maxlen=2000)
 
     def add(self, record: RequestRecord) -> None:
-        self._done.append(record)
+        self._done.append((record.started_at, record.status, record.ttft_s, record.tokens_per_s))
 
     def figures(self, now: float | None = None) -> dict[str, Any]:
         now = time.time() if now is None else now
-        recent = [r for r in self._done if now - r.started_at <= WINDOW_S]
-        last_minute = sum(1 for r in recent if now - r.started_at <= 60)
-        ttfts = [r.ttft_s for r in recent if r.ttft_s is not None][-100:]
-        speeds = [s for r in recent if (s := r.tokens_per_s) is not None][-100:]
+        recent = [sample for sample in self._done if now - sample[0] <= WINDOW_S]
+        last_minute = sum(1 for started_at, *_ in recent if now - started_at <= 60)
+        ttfts = [ttft for _, _, ttft, _ in recent if ttft is not None][-100:]
+        speeds = [speed for *_, speed in recent if speed is not None][-100:]
         spark = [0] * SPARK_BUCKETS
-        for r in recent:
-            age = int((now - r.started_at) // SPARK_BUCKET_S)
+        for started_at, *_ in recent:
+            age = int((now - started_at) // SPARK_BUCKET_S)
             if 0 <= age < SPARK_BUCKETS:
                 spark[SPARK_BUCKETS - 1 - age] += 1
         return {
             "requests_per_min": last_minute,
             "ttft_p50_s": _r(statistics.median(ttfts)) if ttfts else None,
             "tokens_per_s": round(statistics.fmean(speeds), 1) if speeds else None,
-            "errors_5m": sum(1 for r in recent if (r.status or 0) >= 500),
+            "errors_5m": sum(1 for _, status, *_ in recent if (status or 0) >= 500),
             "sparkline": spark,
         }
 
@@ -205,6 +211,7 @@ class Activity:
 
     def _finish(self, record: RequestRecord) -> None:
         record.duration_s = time.perf_counter() - record.t0
+        record.task = None  # cancel() is for requests in flight; a finished one must not keep its task alive
         if record.state == "running":
             record.state = "done"
         self.in_flight.pop(record.id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -169,9 +170,14 @@ def build_app(config: Config, service: RouterService | None = None) -> Cors:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
+        # What startup built (modules, config, registry: ~50k objects) lives as long as the router: the
+        # collector's full passes skip it. Each such pass walked all of it (~70 ms on the bench machine,
+        # six in 15k proxied requests: ~25 us a request).
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             await client_api.close()
             await service.stop()
 
