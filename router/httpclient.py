@@ -85,6 +85,7 @@ class _Connection(asyncio.Protocol):
         assert response is not None
         response.status = self.parser.get_status_code()
         response.keep_alive = self.parser.should_keep_alive()
+        response._by_name = dict(reversed(response.raw_headers))  # a repeated header: its first value
         if self.head is not None and not self.head.done():
             self.head.set_result(None)
 
@@ -116,6 +117,7 @@ class UpstreamResponse:
         self._pool, self._conn = pool, conn
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._by_name: dict[bytes, bytes] = {}
         self.keep_alive = False
         self.complete = False
         self._chunks: deque[bytes] = deque()
@@ -125,10 +127,8 @@ class UpstreamResponse:
         self._closed = False
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.raw_headers:
-            if key == name:
-                return value
-        return None
+        """The value of header ``name`` (lower case), its first one when repeated."""
+        return self._by_name.get(name)
 
     @property
     def content_length(self) -> int | None:
@@ -237,10 +237,10 @@ class ConnectionPool:
             self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
             self.prefix = parts.path.rstrip("/")
             default_port = self._port == (443 if self._ssl else 80)
-            self._host_header = (parts.hostname if default_port else f"{parts.hostname}:{self._port}").encode()
+            self._host_header = parts.hostname if default_port else f"{parts.hostname}:{self._port}"
         else:
             self.prefix = ""
-            self._host_header = b"localhost"
+            self._host_header = "localhost"
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -264,11 +264,12 @@ class ConnectionPool:
 
     def _encode(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[bytes, ...]:
         """The request as one write, or head and body apart when the body is large (no copy of it)."""
-        lines = [f"{method} {self.prefix}{path} HTTP/1.1".encode("latin-1"), b"host: " + self._host_header]
-        lines += [f"{k}: {v}".encode("latin-1") for k, v in headers]
-        if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            lines.append(b"content-length: " + str(len(body)).encode())
-        head = b"\r\n".join(lines) + b"\r\n\r\n"
+        sized = body or method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        head = "".join([
+            f"{method} {self.prefix}{path} HTTP/1.1\r\nhost: {self._host_header}\r\n",
+            *[f"{k}: {v}\r\n" for k, v in headers],
+            f"content-length: {len(body)}\r\n\r\n" if sized else "\r\n",
+        ]).encode("latin-1")
         return (head, body) if len(body) > COPY_MAX else (head + body,)
 
     async def request(

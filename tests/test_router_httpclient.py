@@ -111,6 +111,17 @@ async def test_one_connection_carries_chunked_and_sized_answers_in_turn() -> Non
         assert seen.connections == 1
 
 
+async def test_header_names_are_lower_case_and_a_repeated_one_reads_as_its_first_value() -> None:
+    async with backend(keep_alive(b"ok", extra=b"X-Seen: 1\r\nx-seen: 2\r\nContent-Type: text/plain\r\n")) as (pool, _):
+        resp = await pool.request("GET", "/x", [], b"", head_timeout_s=5)
+        try:
+            assert resp.header(b"x-seen") == b"1" and resp.header(b"content-type") == b"text/plain"
+            assert resp.header(b"x-absent") is None and resp.content_length == 2
+            assert (b"x-seen", b"2") in resp.raw_headers
+        finally:
+            resp.close()
+
+
 async def test_over_a_unix_socket(tmp_path: Path) -> None:
     async with backend(keep_alive(b"uds"), tmp_path) as (pool, seen):
         assert await get(pool) == (200, b"uds") and seen.connections == 1
