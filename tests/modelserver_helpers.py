@@ -87,7 +87,7 @@ class ModelServerProcess:
         except OSError:
             return ""
 
-    def health(self, timeout_s: float = 2.0) -> httpx.Response:
+    def health(self, timeout_s: float = 30.0) -> httpx.Response:
         with self.client(timeout_s) as client:
             return client.get("/health")
 

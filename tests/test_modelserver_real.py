@@ -242,7 +242,7 @@ def test_a_request_before_the_server_is_ready_gets_503_loading(demo_gguf: Path) 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                response = late.health()
+                response = late.health(timeout_s=2.0)
                 break
             except httpx.TransportError:
                 time.sleep(0.02)
