@@ -1,14 +1,18 @@
 """Proxy overhead: the trivial backend direct, through nginx, and through ovrouter.
 
 Rounds are interleaved (every target at every connection count, then again), so a noisy
-neighbour hurts all targets alike; each figure is the median over the rounds.
+neighbour hurts all targets alike; each figure is the median over the rounds. Besides req/s,
+each cell reports the CPU time the serving process spent per request (the backend's when
+direct, the router's alone through ovrouter, from ``/proc/<pid>/task/*/schedstat``): on a
+shared box it moves far less with the neighbours' load than req/s does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from bench import plots
 from bench.common import Context, Section, SectionSkipped, Table, median, ratio
@@ -40,6 +44,7 @@ class Backends:
     router_start_s: float | None = None
     router_error: str | None = None
     notes: tuple[str, ...] = ()
+    pids: dict[str, int] = field(default_factory=dict)  # target -> the process whose CPU a request costs
 
     def targets(self) -> dict[str, str]:
         found = {"direct": self.direct, "nginx": self.nginx, "ovrouter": self.router}
@@ -56,7 +61,7 @@ def start_backends(ctx: Context, name: str) -> Backends:
     port = free_port()
     proc = ctx.procs.spawn(f"{name}-trivial", [ctx.python, "-m", "bench.trivial_backend", "--port", str(port)])
     wait_http(f"http://127.0.0.1:{port}/health", proc, timeout_s=30)
-    backends = Backends(direct=f"http://127.0.0.1:{port}")
+    backends = Backends(direct=f"http://127.0.0.1:{port}", pids={"direct": proc.pid})
     notes = []
     if ctx.tools.nginx:
         _, nginx_port = start_nginx(ctx.procs, ctx.tools.nginx, ctx.section_tmp(f"{name}-nginx"), f"127.0.0.1:{port}")
@@ -64,8 +69,7 @@ def start_backends(ctx: Context, name: str) -> Backends:
     else:
         notes.append("nginx is not installed (`make bench-deps` installs nginx-light): the nginx column is missing.")
     try:
-        router = _start_trivial_router(ctx, name, port)
-        backends.router, backends.router_start_s = router
+        backends.router, backends.router_start_s, backends.pids["ovrouter"] = _start_trivial_router(ctx, name, port)
     except SectionSkipped as exc:
         notes.append(f"ovrouter not measured: {exc}.")
     except (RuntimeError, TimeoutError) as exc:  # keep the direct and nginx figures; the section still fails
@@ -75,7 +79,7 @@ def start_backends(ctx: Context, name: str) -> Backends:
     return backends
 
 
-def _start_trivial_router(ctx: Context, name: str, port: int) -> tuple[str, float]:
+def _start_trivial_router(ctx: Context, name: str, port: int) -> tuple[str, float, int]:
     from bench.routerctl import router_config
 
     tmp = ctx.section_tmp(f"{name}-router")
@@ -84,22 +88,47 @@ def _start_trivial_router(ctx: Context, name: str, port: int) -> tuple[str, floa
     status, body = router.post(CHAT, json.loads(TRIVIAL_BODY))
     if status != 200:
         raise RuntimeError(f"router did not proxy the trivial backend: {status} {body}")
-    return router.url, router.start_s
+    return router.url, router.start_s, router.proc.pid
 
 
-def _measure(ctx: Context, targets: dict[str, str], levels: list[int]) -> dict[str, dict[int, list[LoadResult]]]:
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds the process ``pid`` has run, all its threads (None where /proc cannot tell)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total_ns = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total_ns += int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total_ns / 1e9
+
+
+Cpu = dict[str, dict[int, list[float]]]
+
+
+def _measure(ctx: Context, targets: dict[str, str], levels: list[int],
+             pids: dict[str, int]) -> tuple[dict[str, dict[int, list[LoadResult]]], Cpu]:
     rounds = ctx.count(3, 1)
     duration_s = ctx.scale(4.0, 0.5)
     results: dict[str, dict[int, list[LoadResult]]] = {t: {c: [] for c in levels} for t in targets}
+    cpu: Cpu = {t: {c: [] for c in levels} for t in targets}
     for url in targets.values():  # warm-up: connections, lazy imports, caches
         run_load(ctx.loadgen, Target(url + CHAT, TRIVIAL_BODY), 4, ctx.scale(1.0, 0.3))
     for index in range(rounds):
         for connections in levels:
             for name, url in targets.items():
+                before = cpu_s(pids[name]) if name in pids else None
                 result = run_load(ctx.loadgen, Target(url + CHAT, TRIVIAL_BODY), connections, duration_s)
+                after = cpu_s(pids[name]) if name in pids else None
+                if before is not None and after is not None and result.requests:
+                    cpu[name][connections].append((after - before) / result.requests * 1e6)
                 log.info("round %d %s c=%d: %.0f req/s p50 %.3f ms", index, name, connections, result.rps, result.p(50))
                 results[name][connections].append(result)
-    return results
+    return results, cpu
 
 
 def _representative(runs: list[LoadResult]) -> LoadResult:
@@ -107,8 +136,9 @@ def _representative(runs: list[LoadResult]) -> LoadResult:
     return sorted(runs, key=lambda r: r.rps)[len(runs) // 2]
 
 
-def _summary(runs: list[LoadResult]) -> dict[str, float]:
+def _summary(runs: list[LoadResult], cpu_us: list[float]) -> dict[str, float]:
     return {
+        "cpu_us": median(cpu_us) if cpu_us else float("nan"),
         "rps": median([r.rps for r in runs]),
         "rps_min": min(r.rps for r in runs),
         "rps_max": max(r.rps for r in runs),
@@ -128,11 +158,12 @@ def _table(summaries: dict[str, dict[int, dict[str, float]]], levels: list[int])
             rows.append([
                 connections, name, s["rps"], f"{s['rps_min']:,.0f}-{s['rps_max']:,.0f}", s["p50_ms"], s["p99_ms"],
                 int(s["requests"]), int(s["errors"]), ratio(s["rps"], base["rps"]),
-                s["p50_ms"] - base["p50_ms"], s["p99_ms"] - base["p99_ms"],
+                s["p50_ms"] - base["p50_ms"], s["p99_ms"] - base["p99_ms"], s["cpu_us"],
             ])
     headers = ["conns", "target", "req/s", "req/s range", "p50 ms", "p99 ms", "requests", "errors",
-               "x direct req/s", "+p50 ms", "+p99 ms"]
-    return Table(headers, rows, "Non-streaming chat completions, closed loop; median over rounds.")
+               "x direct req/s", "+p50 ms", "+p99 ms", "CPU us/req"]
+    return Table(headers, rows, "Non-streaming chat completions, closed loop; median over rounds. CPU us/req: "
+                 "of the backend when direct, of the router alone through ovrouter (nginx: not measured).")
 
 
 def _targets_table(summaries: dict[str, dict[int, dict[str, float]]]) -> Table:
@@ -157,8 +188,9 @@ def run(ctx: Context) -> Section:
     section.notes.extend(backends.notes)
     if backends.router_error:
         section.status = "failed"
-    results = _measure(ctx, backends.targets(), levels)
-    summaries = {name: {c: _summary(runs) for c, runs in by_level.items()} for name, by_level in results.items()}
+    results, cpu = _measure(ctx, backends.targets(), levels, backends.pids)
+    summaries = {name: {c: _summary(runs, cpu[name][c]) for c, runs in by_level.items()}
+                 for name, by_level in results.items()}
     section.intro = (
         f"Trivial OpenAI-compatible backend (`bench/trivial_backend.py`, uvicorn+httptools+uvloop, one process). "
         f"Load generator: **{ctx.loadgen}**, one thread, keep-alive connections, "
