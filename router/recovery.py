@@ -266,7 +266,7 @@ async def _alive_words(job: Job, lease: Lease) -> str:
     if not job.head_sent:
         return f"model {job.name!r} could not be reached; retry the request"
     chunks = sum(event.count(b"data:") for event in job.log.sent) if job.log is not None else 0
-    return await cut_reason(job.name, lease, chunks, grace_s=0.0)
+    return await cut_reason(job.model, lease, chunks, grace_s=0.0)
 
 
 async def _fail(job: Job, error: RouterError) -> int:

@@ -112,7 +112,7 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
         await _end_broken_stream(model, resp, send, exc, tally, lease, grace_s)
         raise Relayed(resp.status) from None
     if tally is not None and not tally.done:
-        reason = await cut_reason(model.spec.name, lease, tally.chunks, grace_s)
+        reason = await cut_reason(model, lease, tally.chunks, grace_s)
         log.warning("%s", reason)
         await _end_with_error(send, reason)
         raise Relayed(resp.status)
@@ -130,7 +130,7 @@ async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc:
     if isinstance(exc, UpstreamTimeout):
         reason = f"model {name!r} sent nothing for stream_idle_timeout_s={model.spec.stream_idle_timeout_s:g}s"
     elif tally is not None:
-        reason = await cut_reason(name, lease, tally.chunks, grace_s)
+        reason = await cut_reason(model, lease, tally.chunks, grace_s)
     else:
         reason = f"model {name!r} broke off the response mid-body"
     log.warning("%s (%s)", reason, exc)
@@ -147,21 +147,32 @@ async def _end_with_error(send: Send, message: str) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def cut_reason(name: str, lease: Lease | None, chunks: int, grace_s: float) -> str:
+async def cut_reason(model: Model, lease: Lease | None, chunks: int, grace_s: float) -> str:
     """What was seen of a stream that ended early: its process died (and how), or it runs on.
 
     A death shows as the lease's ``exited`` completing; it is waited for ``grace_s`` (the
     connection may break a moment before the exit is seen). A remote has no process to watch.
     """
+    name = model.spec.name
     after = f"after {chunks} chunk{'' if chunks == 1 else 's'}"
     if lease is None or lease.pid is None:
         return f"model {name!r} upstream closed the stream {after} without finishing"
     await asyncio.wait({lease.exited}, timeout=grace_s)
     if lease.exited.done():
         code = None if lease.exited.cancelled() or lease.exited.exception() else int(lease.exited.result())
-        return f"model {name!r} died {after}: its process (pid {lease.pid}) {exit_words(code)}; retry the request"
+        return (f"model {name!r} died {after}: its process (pid {lease.pid}) {exit_words(code)}"
+                f"{_killed_as(model, lease)}; retry the request")
     return (f"model {name!r} upstream closed the stream {after} without finishing; "
             f"the process (pid {lease.pid}) is still running")
+
+
+def _killed_as(model: Model, lease: Lease) -> str:
+    """Why the supervisor killed the process, when it did (a hang: failed health probes)."""
+    death = model.backend.death(lease.generation)
+    if death is None or death.cause != "hang":
+        return ""
+    spec = model.backend.spec
+    return f" by ovrouter as hung ({spec.health_path} failed {spec.health_failures} health probes in a row)"
 
 
 async def run_until_disconnect(

@@ -151,6 +151,21 @@ async def test_kill_9_of_a_command_backend_is_reported_as_a_death_with_its_signa
         assert answer.status_code == 200
 
 
+async def test_a_probe_that_waits_behind_a_stream_gets_the_server_killed_as_hung_and_the_stream_says_so(
+    tmp_path: Path,
+) -> None:
+    # llama-cpp-python with --interrupt_requests false and periodic /v1/models probes: why the recipe says 0
+    llama = standin("--no-interrupt", health_path="/v1/models", health_interval_s=0.05, health_timeout_s=0.2,
+                    health_failures=2)
+    async with running_router(write_config(tmp_path, {"llama": llama})) as r:
+        pid = (await stats(r, "llama"))["pid"]  # started first (idle, its probes pass): the stream runs on this one
+        events = await stream(r, "/v1/chat/completions")  # held until the probes kill it
+        assert events[-1] == "[DONE]" and len(events) == CHUNKS + 3
+        assert events[-2]["error"]["message"] == (
+            f"model 'llama' died after {CHUNKS + 1} chunks: its process (pid {pid}) was killed by SIGKILL "
+            "(signal 9) by ovrouter as hung (/v1/models failed 2 health probes in a row); retry the request")
+
+
 async def test_path_prefix_goes_before_every_proxied_path_but_not_the_probe(tmp_path: Path) -> None:
     ovms = standin("--prefix", "/v3", path_prefix="/v3")  # OVMS serves the OpenAI API under /v3 only
     bare = standin("--prefix", "/v3")

@@ -13,7 +13,8 @@ with CRLF line breaks (``data: ...\r\n\r\n``), as sse-starlette, that server's S
   finishes with ``finish_reason`` and ``data: [DONE]``) or until a cut. A stream cannot end
   by itself. Without ``stream``: a short JSON answer.
 - ``GET /v1/models``, and any chat or completion request, takes the model: while a stream
-  is in progress it cuts that stream (unless ``--no-interrupt``). ``--cut abort`` (the
+  is in progress it cuts that stream; with ``--no-interrupt`` (``--interrupt_requests
+  false``) ``/v1/models`` waits instead until no stream is in progress. ``--cut abort`` (the
   default, what llama-cpp-python 0.3 does) sends ``data: [DONE]`` and closes the connection
   mid-body (no final chunk, no ``finish_reason``); ``--cut clean`` ends the chunked body
   properly, but without ``[DONE]``.
@@ -126,6 +127,8 @@ async def handle(method: str, path: str, body: bytes, writer: asyncio.StreamWrit
     elif path == "/v1/models":
         STATS["models_requests"] += 1
         take_model()
+        while not ARGS.interrupt and ACTIVE:  # the model is busy: wait for it, as llama-cpp-python's lock does
+            await asyncio.wait(set(ACTIVE))
         answer(writer, 200, {"object": "list", "data": [{"id": "standin", "object": "model"}]})
     elif path in ("/v1/chat/completions", "/v1/completions") and method == "POST":
         take_model()
