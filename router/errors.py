@@ -49,6 +49,8 @@ class RouterError(Exception):
     status = 500
     type = "server_error"
     code = "internal_error"
+    #: Sent before the request's body was read: the connection is closed after it, not kept reading the rest.
+    closes = False
 
     def __init__(self, message: str, *, retry_after_s: float | None = None, param: str | None = None) -> None:
         super().__init__(message)
@@ -62,6 +64,8 @@ class RouterError(Exception):
             headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
         if self.status == 401:
             headers["www-authenticate"] = "Bearer"
+        if self.closes:
+            headers["connection"] = "close"
         return headers
 
 
@@ -83,6 +87,7 @@ class NotFound(RouterError):
 
 class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+    closes = True
 
 
 class TooManyRequests(RouterError):
@@ -99,6 +104,7 @@ class ServiceUnavailable(RouterError):
 
 class RouterBusy(ServiceUnavailable):
     code = "router_busy"
+    closes = True
 
 
 class GatewayTimeout(RouterError):

@@ -286,6 +286,7 @@ def test_a_declared_body_over_the_limit_is_a_413_before_it_is_read(router: Route
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
     reply = raw(router.port, head + f"content-length: {9 * MIB}\r\n\r\n".encode())  # no body sent at all
     assert reply.status == 413 and "max_request_mb" in reply.error()["message"]
+    assert reply.headers.get("connection") == "close"  # the unread 9 MiB are not read and thrown away
     serves(router)
 
 
@@ -330,6 +331,7 @@ def _budget_refuses_once_taken(router: Router) -> None:
             time.sleep(0.05)
         reply = raw(router.port, post("/v1/chat/completions", json.dumps(chat()).encode()))
         assert reply.status == 503 and reply.headers.get("retry-after") == "1", reply
+        assert reply.headers.get("connection") == "close"
         error = reply.error()
         assert error["code"] == "router_busy" and "max_buffered_body_mb=16" in error["message"]
     finally:
