@@ -97,14 +97,14 @@ async def test_a_fatal_error_mid_stream_is_resumed_on_the_fresh_process(tmp_path
 
 
 async def test_a_stalled_stream_is_killed_as_hung_and_resumed(tmp_path: Path) -> None:
-    async with running_router(config(tmp_path, stall_timeout_s=1)) as router:
+    async with running_router(config(tmp_path, stall_timeout_s=3)) as router:
         text = WORDS.replace("w3 ", "w3 [[stall]] ")
         raw = "\n\n".join([line async for line in stream_lines(router, chat(text, stream=True))]) + "\n\n"
         parsed = events(raw)
         assert content(parsed) == text and parsed.count("[DONE]") == 1
         metrics = (await router.client.get("/metrics")).text
         assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in metrics
-        assert "was killed: a stream got no token for stall_timeout_s=1s" in (router.backend("echo").last_error or "")
+        assert "was killed: a stream got no token for stall_timeout_s=3s" in (router.backend("echo").last_error or "")
 
 
 async def test_a_poison_crash_mid_stream_is_named_not_resumed(tmp_path: Path) -> None:
