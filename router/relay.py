@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Send
@@ -42,6 +43,8 @@ WATCH_AFTER_S = 0.05
 DONE_PATHS = ("/v1/chat/completions", "/v1/completions")
 #: How long a cut stream waits for its process's exit to be seen before it calls the process alive.
 DEATH_GRACE_S = 2.0
+#: A process found dead after DEATH_GRACE_S: how much longer its exit status is waited for.
+EXIT_WAIT_S = 10.0
 
 
 class Relayed(Exception):
@@ -158,12 +161,31 @@ async def cut_reason(model: Model, lease: Lease | None, chunks: int, grace_s: fl
     if lease is None or lease.pid is None:
         return f"model {name!r} upstream closed the stream {after} without finishing"
     await asyncio.wait({lease.exited}, timeout=grace_s)
+    if not lease.exited.done() and not _alive(lease.pid):  # gone, its exit not handled yet (a starved loop)
+        await asyncio.wait({lease.exited}, timeout=EXIT_WAIT_S)
     if lease.exited.done():
         code = None if lease.exited.cancelled() or lease.exited.exception() else int(lease.exited.result())
         return (f"model {name!r} died {after}: its process (pid {lease.pid}) {exit_words(code)}"
                 f"{_killed_as(model, lease)}; retry the request")
     return (f"model {name!r} upstream closed the stream {after} without finishing; "
             f"the process (pid {lease.pid}) is still running")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's: it exists
+            pass
+        return True
 
 
 def _killed_as(model: Model, lease: Lease) -> str:
