@@ -11,6 +11,7 @@ shape, the numbers the message must name, usage within the context.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -460,7 +461,9 @@ def test_a_context_length_option_above_the_models_fails_the_load(demo_gguf: Path
 # -- the real encoders, in process ------------------------------------------------------------------
 
 
-async def real_encoder(task: str, folder: str, tmp_path: Path) -> tuple[Any, httpx.AsyncClient]:
+@contextlib.asynccontextmanager
+async def real_encoder(task: str, folder: str, tmp_path: Path) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
+    """A real embeddings or rerank engine behind the model server's app, in process; closed on exit."""
     from modelserver.engines import embeddings, rerank
 
     if not (MODELS / folder / ".built").exists():
@@ -468,13 +471,16 @@ async def real_encoder(task: str, folder: str, tmp_path: Path) -> tuple[Any, htt
     spec = build_model_spec(folder, {"task": task, "path": str(MODELS / folder), "cache_dir": str(tmp_path)})
     engine = (embeddings.load if task == "embeddings" else rerank.load)(spec)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(spec, engine)), base_url="http://m")
-    return engine, client
+    try:
+        yield engine, client
+    finally:
+        await client.aclose()
+        engine.close()
 
 
 @pytest.mark.real_model
 async def test_minilm_refuses_an_input_above_its_256_tokens_unless_truncate(tmp_path: Path) -> None:
-    engine, client = await real_encoder("embeddings", "minilm-ov", tmp_path)
-    try:
+    async with real_encoder("embeddings", "minilm-ov", tmp_path) as (engine, client):
         texts = ["a short sentence", "word " * 300]
         refused = await client.post("/v1/embeddings", json={"input": texts})
         assert_400(refused, "input", "input[1]: 302 tokens", "maximum input of 256 tokens",
@@ -482,38 +488,27 @@ async def test_minilm_refuses_an_input_above_its_256_tokens_unless_truncate(tmp_
         cut = await client.post("/v1/embeddings", json={"input": texts, "truncate": True})
         assert cut.status_code == 200, cut.text
         assert cut.json()["usage"]["prompt_tokens"] == 5 + 256  # the long one counted as embedded: cut at 256
-    finally:
-        await client.aclose()
-        engine.close()
 
 
 @pytest.mark.real_model
 async def test_an_over_long_input_among_concurrent_requests_fails_only_its_own(tmp_path: Path) -> None:
-    engine, client = await real_encoder("embeddings", "minilm-ov", tmp_path)
-    try:
+    async with real_encoder("embeddings", "minilm-ov", tmp_path) as (engine, client):
         bodies = [{"input": "a short sentence"}, {"input": "word " * 300}, {"input": ["another", "one"]}]
         good, long, pair = await asyncio.gather(*(client.post("/v1/embeddings", json=body) for body in bodies))
         assert_400(long, "input", "input: 302 tokens", code="context_length_exceeded")
         assert [len(r.json()["data"]) for r in (good, pair)] == [1, 2]
         assert engine.stats()["failed"] == 0  # refused in the batch, not by a failed pipeline call
-    finally:
-        await client.aclose()
-        engine.close()
 
 
 @pytest.mark.real_model
 async def test_a_reranker_refuses_a_pair_above_its_maximum_unless_truncate(tmp_path: Path) -> None:
-    engine, client = await real_encoder("rerank", "rerank-tiny-ov", tmp_path)
-    try:
+    async with real_encoder("rerank", "rerank-tiny-ov", tmp_path) as (engine, client):
         body = {"query": "what is a cat", "documents": ["a cat is an animal", "word " * 600]}
         assert_400(await client.post("/v1/rerank", json=body), "documents", "documents[1]:",
                    "maximum input of 512 tokens", code="context_length_exceeded")
         cut = await client.post("/v1/rerank", json={**body, "truncate": True})
         assert cut.status_code == 200, cut.text
         assert sorted(result["index"] for result in cut.json()["results"]) == [0, 1]
-    finally:
-        await client.aclose()
-        engine.close()
 
 
 @pytest.mark.real_model
