@@ -124,6 +124,9 @@ async def list_models(request: Request) -> Response:
         "task": rt.spec.task,
         "status": rt.status,
     }
+    context = getattr(rt.loaded(), "context_length", None)  # what this process enforces (llm, vlm)
+    if context is not None:
+        card["max_model_len"] = context
     return JSONResponse({"object": "list", "data": [card]})
 
 

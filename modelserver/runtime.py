@@ -92,6 +92,10 @@ class ModelRuntime:
         if self.status == "failed" and not self.load_failed and self.on_fatal is not None:
             self.on_fatal()
 
+    def loaded(self) -> Any:
+        """The engine when ready, else None (for reports: no first-request mark, no error)."""
+        return self._engine if self.status == "ready" else None
+
     def require(self) -> Any:
         """The engine, or :class:`NotReady` while loading and once failed."""
         if self.status == "ready":

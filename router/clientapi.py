@@ -1,6 +1,6 @@
 """What clients read about models: ``/v1/models`` (with ``status``), ``/v1/models/{id}``, and the
 llama.cpp router's model API — ``GET /models``, ``POST /models/load``, ``POST /models/unload``,
-``GET /models/sse``.
+``GET /models/sse``. Text models' entries carry their context size (:func:`context_fields`).
 
 ``/v1/models*`` take the API keys; ``/models*`` the admin keys, like ``/api``. Load and unload
 answer ``{"success": true}`` once the change has begun (as llama.cpp's do); the status that
@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from modelserver.modelfiles import served_context
+from modelserver.spec import ModelSpec
 from procman import BackendUnavailable, State
 from router.body import MIB, check_depth, read_body
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, unavailable
@@ -27,7 +29,7 @@ from router.modelstatus import KIND, MODALITIES, StatusBus
 from router.registry import Model
 from router.service import RouterService, check_key
 
-__all__ = ["ClientApi"]
+__all__ = ["ClientApi", "context_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class ClientApi:
         }
         if model_id is not None and model_id != spec.name:
             entry["root"] = spec.name
-        return entry
+        return {**entry, **context_fields(spec)}
 
     def models_list(self) -> dict[str, Any]:
         return {"object": "list", "data": [self.entry(m) for m in self.service.registry.models.values()]}
@@ -179,6 +181,16 @@ class ClientApi:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.bus.close()
+
+
+def context_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The context a model serves, under the names clients read: vLLM's ``max_model_len``, ``context_length``
+    (OpenRouter, LM Studio) and llama.cpp's ``meta.n_ctx_train``; ``{}`` when unknown (not a text model, or a
+    ``command:``/``url:`` backend). Known before the model loads: read from its files (see ``served_context``)."""
+    context = served_context(spec)
+    if context is None:
+        return {}
+    return {"max_model_len": context, "context_length": context, "meta": {"n_ctx_train": context}}
 
 
 def _sse(event: dict[str, Any]) -> bytes:

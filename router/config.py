@@ -2,8 +2,9 @@
 
 ``load_config(path)`` parses and validates everything or raises :class:`ConfigError` with
 one line per problem, each naming the key path and the bad value. The schema of one
-model lives in :mod:`modelserver.spec` (the only piece of ``modelserver`` the router
-imports); this module adds the ``router`` and ``groups`` sections and the cross-checks
+model lives in :mod:`modelserver.spec` (with the file readers of :mod:`modelserver.modelfiles`, the
+only pieces of ``modelserver`` the router imports: pure data, no engine); this module adds the
+``router`` and ``groups`` sections and the cross-checks
 (aliases that clash, groups that do not exist).
 """
 

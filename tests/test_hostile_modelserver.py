@@ -24,10 +24,11 @@ from modelserver_helpers import ModelServerProcess, modelserver
 
 from modelserver.app import build_app
 from modelserver.engines.base import SamplingParams
-from modelserver.engines.context import chunks, configured_context, context_length, fit_context, gguf_context_length
+from modelserver.engines.context import chunks, configured_context, fit_context
 from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
 from modelserver.engines.fake_media import FakeReranker
 from modelserver.errors import ContextLengthExceeded, LoadError, RequestError
+from modelserver.modelfiles import context_length, gguf_context_length
 from modelserver.protocol import check_depth
 from modelserver.spec import build_model_spec
 

@@ -1,14 +1,9 @@
 """A text model's context length, and how a request's prompt and ``max_tokens`` fit in it (no OpenVINO).
 
-Where the number comes from, per model (:func:`context_length`):
-
-- a ``.gguf``: its metadata ``<general.architecture>.context_length`` (read from the file's header
-  with a minimal reader of the GGUF key/value section, :func:`gguf_context_length`);
-- an OpenVINO IR folder: ``config.json`` ``max_position_embeddings`` (or the language model's,
-  ``text_config.max_position_embeddings``, for a VLM; ``n_positions`` / ``seq_length`` /
-  ``max_seq_len`` where a model names it so);
-- the ``options.context_length`` of the model, which may only lower it: a larger value is a
-  load error naming both numbers (a model cannot attend past what it was trained on).
+Where the number comes from, per model: what its files declare
+(:func:`modelserver.modelfiles.context_length`, read without OpenVINO so the router can report it
+too), lowered by ``options.context_length`` (:func:`configured_context`), which may only lower it:
+a larger value is a load error naming both numbers (a model cannot attend past what it was trained on).
 
 A tokenizer may also cut its output at a fixed length (openvino_genai's tokenizer of a GGUF
 stops at 8192 tokens whatever ``max_length`` says): :func:`truncation_cap` finds that cap at
@@ -22,12 +17,8 @@ ever silently cut.
 
 from __future__ import annotations
 
-import json
-import logging
-import struct
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -40,13 +31,9 @@ __all__ = [
     "token_counts",
     "chunks",
     "configured_context",
-    "context_length",
     "fit_context",
-    "gguf_context_length",
     "truncation_cap",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def fit_context(prompt_tokens: int, sampling: SamplingParams, context: int | None, prompt_param: str) -> int:
@@ -163,25 +150,6 @@ def check_inputs(counts: list[int], maximum: int | None, param: str, truncate: b
 
 # -- the model's own number ---------------------------------------------------------------------
 
-_CONFIG_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-
-
-def context_length(path: Path) -> int | None:
-    """The context length ``path`` (a ``.gguf`` or an IR folder) declares; None when it declares none."""
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return gguf_context_length(path)
-    config = path / "config.json" if path.is_dir() else path.parent / "config.json"
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    for section in (data, data.get("text_config") or {}, data.get("llm_config") or {}):
-        for key in _CONFIG_KEYS:
-            value = section.get(key) if isinstance(section, dict) else None
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
 
 def configured_context(name: str, model_context: int | None, option: Any) -> int | None:
     """The context to enforce: the model's, lowered by ``options.context_length``; a larger option fails the load."""
@@ -218,62 +186,3 @@ def chunks(text: str, size: int = 1024) -> Iterator[str]:
             end = space
         yield text[start:end]
         start = end
-
-
-# -- GGUF metadata --------------------------------------------------------------------------------
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-def gguf_context_length(path: Path) -> int | None:
-    """``<arch>.context_length`` from a GGUF file's key/value header; None when absent or unreadable."""
-    try:
-        with path.open("rb") as f:
-            return _read_context(f)
-    except (OSError, ValueError, struct.error) as exc:
-        log.warning("cannot read the context length of %s: %s", path, exc)
-        return None
-
-
-def _read_context(f: IO[bytes]) -> int | None:
-    if f.read(4) != b"GGUF":
-        raise ValueError("not a GGUF file")
-    (version,) = struct.unpack("<I", f.read(4))
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
-    _tensors, count = struct.unpack("<QQ", f.read(16))
-    values: dict[str, Any] = {}
-    for _ in range(count):
-        key = _string(f)
-        (kind,) = struct.unpack("<I", f.read(4))
-        values[key] = _value(f, kind)
-        arch = values.get("general.architecture")
-        found = values.get(f"{arch}.context_length") if isinstance(arch, str) else None
-        if isinstance(found, int) and found > 0:
-            return found
-    return None
-
-
-def _string(f: IO[bytes]) -> str:
-    (size,) = struct.unpack("<Q", f.read(8))
-    if size > 1 << 24:
-        raise ValueError("implausible string length in the GGUF header")
-    return f.read(size).decode("utf-8", errors="replace")
-
-
-def _value(f: IO[bytes], kind: int) -> Any:
-    if kind in _SCALARS:
-        fmt = _SCALARS[kind]
-        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-    if kind == _STRING:
-        return _string(f)
-    if kind == _ARRAY:
-        item, size = struct.unpack("<IQ", f.read(12))
-        if item in _SCALARS:  # skipped, not read: token tables are large
-            f.seek(struct.calcsize(_SCALARS[item]) * size, 1)
-        else:
-            for _ in range(size):
-                _value(f, item)
-        return None
-    raise ValueError(f"unknown GGUF value type {kind}")

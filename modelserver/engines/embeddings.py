@@ -30,12 +30,13 @@ import openvino_genai as ov_genai
 
 from modelserver.engines.base import EmbeddingResult
 from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions, split
-from modelserver.engines.context import check_inputs, context_length, token_counts
+from modelserver.engines.context import check_inputs, token_counts
 from modelserver.engines.media_base import SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.st_metadata import declared_options
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError, RequestError
+from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 
 __all__ = ["OPTIONS", "OpenVINOEmbedder", "batch_options", "load"]

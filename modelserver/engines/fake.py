@@ -290,6 +290,7 @@ class FakeTextGenerator:
         self._counters = _Counters()
         self.tool_parser = spec.tool_parser or "hermes"
         self.reports_logprobs = True
+        self.context_length: int | None = spec.options.get("context_length")
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "fake", "task": self._spec.task, "token_delay_s": self._spec.fake.token_delay_s}
@@ -305,7 +306,7 @@ class FakeTextGenerator:
         inject_faults(text)
         prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
         param = "messages" if request.messages is not None else "prompt"
-        max_tokens = fit_context(prompt_words, request.sampling, self._spec.options.get("context_length"), param)
+        max_tokens = fit_context(prompt_words, request.sampling, self.context_length, param)
         answer = structured_answer(request, self.tool_parser)
         words = _continue(text.split(), request) if answer is None else _pieces(answer)
         continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip())

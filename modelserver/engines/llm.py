@@ -26,7 +26,7 @@ from typing import Any
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
-from modelserver.engines.context import PromptCounter, configured_context, context_length
+from modelserver.engines.context import PromptCounter, configured_context
 from modelserver.engines.ov_options import (
     ModelSource,
     finish_conversion,
@@ -37,6 +37,7 @@ from modelserver.engines.ov_options import (
 )
 from modelserver.engines.task_options import task_options
 from modelserver.errors import EngineError, LoadError, RequestError
+from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer

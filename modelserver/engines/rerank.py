@@ -31,12 +31,13 @@ import numpy as np
 import openvino_genai as ov_genai
 
 from modelserver.engines.batching import Batcher, BatchOptions, split
-from modelserver.engines.context import check_inputs, context_length, token_counts
+from modelserver.engines.context import check_inputs, token_counts
 from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError, RequestError
+from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 
 __all__ = ["OPTIONS", "OpenVINOReranker", "load"]

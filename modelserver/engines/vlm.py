@@ -22,12 +22,13 @@ import openvino as ov
 import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest
-from modelserver.engines.context import PromptCounter, configured_context, context_length
+from modelserver.engines.context import PromptCounter, configured_context
 from modelserver.engines.llm import OPTIONS, chat_history, generation_config, request_text
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError, RequestError
+from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 from modelserver.tools import detect_parser, template_takes_tools
 
