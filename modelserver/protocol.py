@@ -360,13 +360,35 @@ def parse_request(body: bytes, model: type[Model]) -> Model:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise _too_deep(MAX_JSON_DEPTH) from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise RequestError(f"the request body holds a number too long to read ({str(exc).split(':')[0]})") from None
     check_depth(body)  # before pydantic (and whatever reads the values) recurses into it
+    check_characters(body, data)
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+
+
+#: Where a lone UTF-16 surrogate can come from: a ``\\udXXX`` escape, or its bytes (decoded with surrogatepass).
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
+
+
+def check_characters(body: bytes, data: Any) -> None:
+    """400 when a string of ``data`` holds a lone surrogate (``"\\ud800"``): no text can be encoded with it,
+    so the answer that echoes or tokenizes it would fail half-way. A byte scan first; the strings
+    are only looked at for a body in UTF-16/32 or with a surrogate escape (a valid pair is fine).
+    """
+    utf8 = b"\x00" not in body[:4] and not body.startswith((b"\xfe\xff", b"\xff\xfe"))  # JSON opens with ASCII
+    if utf8 and not _SURROGATE_HINT.search(body):
+        return
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"the request body holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
+                           "which is not a character; send valid Unicode text") from None
 
 
 #: A JSON string, escapes included (its brackets are text, not structure).

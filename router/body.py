@@ -1,4 +1,11 @@
-"""Reading a request body under a size limit, and finding the model it names."""
+"""The router's one bounded reader of client bodies: size (:func:`read_body`), then depth and number
+length (:func:`parse_json`, :func:`json_or_none`), then the model a body names (:func:`model_of`).
+
+Every place the router looks inside a client's body goes through these: routing by ``model``
+(JSON or a multipart form field), ``/models/load|unload``, resume planning and the cold-start
+ticker (which also see ``/upstream`` bodies, read raw). A body the bounds refuse is a 400 or 413
+naming the bound, never a ``RecursionError`` or a 500.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ from starlette.types import Receive
 
 from router.errors import BadRequest, PayloadTooLarge
 
-__all__ = ["MAX_JSON_DEPTH", "RoutedBody", "check_depth", "model_of", "read_body", "too_large"]
+__all__ = ["MAX_JSON_DEPTH", "RoutedBody", "check_depth", "json_or_none", "model_of", "parse_json", "read_body",
+           "too_large"]
 
 MIB = 1024 * 1024
 #: Arrays and objects inside one another a JSON body may have (a tool's JSON schema needs ~10).
@@ -108,18 +116,41 @@ def check_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
                          "flatten it")
 
 
+def parse_json(body: bytes, hint: str) -> Any:
+    """``body`` parsed as JSON within the bounds: 400 for a body nested deeper than :data:`MAX_JSON_DEPTH`
+    (checked before the parser recurses), invalid JSON or UTF-8, or an integer longer than Python
+    converts (4300 digits); ``hint`` says what to send instead.
+
+    What the parser accepts beyond strict JSON is passed on as the model server's own parser
+    reads it: ``NaN``/``Infinity`` (the model server refuses them in the fields it knows), a
+    duplicate key (the last one wins, in both), UTF-16/32 with or without a BOM.
+    """
+    check_depth(body)
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON ({exc}); {hint}") from None
+    except RecursionError:  # not reached past check_depth; kept so no recursion ever becomes a 500
+        raise BadRequest(f"request body is nested too deeply to parse; {hint}") from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise BadRequest(f"request body holds a number too long to read ({str(exc).split(':')[0]}); {hint}") from None
+
+
+def json_or_none(body: bytes) -> Any:
+    """``body`` parsed within the same bounds, or None where :func:`parse_json` would refuse it (for a
+    look inside a body that is passed on whatever it holds: ``/upstream``, resume planning)."""
+    try:
+        return parse_json(body, "")
+    except BadRequest:
+        return None
+
+
 def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody:
     """The ``model`` of a JSON body or of a multipart form; 400 naming what is wrong otherwise."""
     mime, params = parse_options_header(content_type)
     if mime == b"multipart/form-data":
         return RoutedBody(_form_model(body, params.get(b"boundary"), known), stream=False)
-    check_depth(body)
-    try:
-        data: Any = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON ({exc}); send a JSON object with a `model` field") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply to parse; send a JSON object with a `model`") from None
+    data = parse_json(body, "send a JSON object with a `model` field")
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object with a `model` field")
     model = data.get("model")

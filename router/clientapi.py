@@ -22,7 +22,7 @@ from starlette.routing import Route
 from modelserver.modelfiles import served_context
 from modelserver.spec import ModelSpec
 from procman import BackendUnavailable, State
-from router.body import MIB, check_depth, read_body
+from router.body import MIB, parse_json, read_body
 from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, unavailable
 from router.events import Subscription
 from router.modelstatus import KIND, MODALITIES, StatusBus
@@ -202,13 +202,7 @@ async def _model_field(request: Request) -> str:
         body = await read_body(request.receive, None, MIB)  # a model name, not a payload: 1 MiB is plenty
     except PayloadTooLarge:
         raise PayloadTooLarge('send a JSON body {"model": "<id>"} of at most 1 MiB') from None
-    check_depth(body)
-    try:
-        data = json.loads(body or b"null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON ({exc}); send {{\"model\": \"<id>\"}}") from None
-    except RecursionError:
-        raise BadRequest('request body is nested too deeply to parse; send {"model": "<id>"}') from None
+    data = parse_json(body or b"null", 'send {"model": "<id>"}')
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, str) or not model:
         raise BadRequest('send a JSON body {"model": "<id>"} naming the model (see GET /models)', param="model")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from starlette.types import Message, Send
 
 from procman import State
+from router.body import json_or_none
 from router.events import sse_comment
 
 if TYPE_CHECKING:
@@ -44,10 +45,8 @@ HEAD = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 
 
 def _wants_stream(body: bytes) -> bool:
-    try:
-        return json.loads(body).get("stream") is True
-    except (ValueError, AttributeError):
-        return False
+    data = json_or_none(body)  # an /upstream body is read raw: bounded here
+    return isinstance(data, dict) and data.get("stream") is True
 
 
 class Feedback:

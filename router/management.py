@@ -96,7 +96,11 @@ def management_routes(service: RouterService) -> list[Route]:
 
     async def reload(request: Request) -> Response:
         result = await service.reload("api")
-        return JSONResponse(result, status_code=200 if result["ok"] else 400)
+        if result["ok"]:
+            return JSONResponse(result)
+        message = "config not reloaded: " + "; ".join(map(str, result["errors"]))  # the usual error, and the result
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_config"}
+        return JSONResponse({"error": error, **result}, status_code=400)
 
     plain: list[tuple[str, Handler, str]] = [
         ("/api/models", models, "GET"),

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router.body import json_or_none
+
 __all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Splice", "StreamLog", "continuation", "fatal_event", "plan",
            "progress"]
 
@@ -50,10 +52,7 @@ def plan(path: str, body: bytes, default_max_tokens: int, chat_ok: bool = True) 
         "completion" if path.startswith("/v1/completions") else None)
     if kind is None or (kind == "chat" and not chat_ok):
         return None
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
+    data = json_or_none(body)  # an /upstream body is read raw: bounded here, passed on whatever it holds
     if not isinstance(data, dict) or data.get("stream") is not True or data.get("n", 1) not in (1, None):
         return None
     if data.get("logprobs") or _constrained(data):

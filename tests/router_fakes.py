@@ -94,7 +94,7 @@ class Call:
         """The last user message of a chat body ('' for anything else)."""
         try:
             return str(json.loads(self.body)["messages"][-1]["content"])
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):  # hostile bodies reach it via /upstream
             return ""
 
 

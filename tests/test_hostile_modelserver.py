@@ -174,6 +174,11 @@ USER = [{"role": "user", "content": "hello there"}]
      "nested too deeply"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', "finite"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}", "number too long"),
+    (b'{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "a \xed\xa0\x80 b"}]}', "lone UTF-16 surrogate"),
+    ('{"messages": [{"role": "user", "content": "a \ud800 b"}]}'.encode("utf-16", "surrogatepass"),
+     "lone UTF-16 surrogate"),
 ])
 async def test_bad_bodies_are_400_and_the_server_keeps_serving(fake_llm: httpx.AsyncClient, body: bytes,
                                                                 needle: str) -> None:
@@ -182,6 +187,13 @@ async def test_bad_bodies_are_400_and_the_server_keeps_serving(fake_llm: httpx.A
     error = response.json()["error"]
     assert set(error) == ERROR_KEYS and needle in error["message"]
     assert (await fake_llm.post("/v1/chat/completions", json={"messages": USER})).status_code == 200
+
+
+async def test_a_surrogate_pair_and_a_utf16_body_are_text(fake_llm: httpx.AsyncClient) -> None:
+    pair = b'{"messages": [{"role": "user", "content": "smile \\ud83d\\ude00"}]}'
+    assert (await fake_llm.post("/v1/chat/completions", content=pair)).json()["choices"][0]["message"]["content"]
+    utf16 = json.dumps({"messages": USER}).encode("utf-16")
+    assert (await fake_llm.post("/v1/chat/completions", content=utf16)).status_code == 200
 
 
 async def test_a_nul_escaped_in_json_is_text(fake_llm: httpx.AsyncClient) -> None:

@@ -27,6 +27,7 @@ import pytest
 from router.body import MAX_JSON_DEPTH, check_depth, read_body
 from router.errors import BadRequest, PayloadTooLarge, RouterBusy
 from router.limits import BodyBudget
+from tests.hostile_corpus import corpus, fault
 from tests.modelserver_helpers import free_port
 from tests.router_helpers import fake_model, write_config
 
@@ -260,6 +261,32 @@ def test_a_malformed_body_is_a_400_naming_the_fault(router: Router, body: bytes,
     reply = raw(router.port, post("/v1/chat/completions", body))
     assert reply.status == 400, reply
     assert says in reply.error()["message"]
+    serves(router)
+
+
+def _pid(port: int, name: str) -> int | None:
+    rows = httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=5).json()["models"]
+    return cast(int | None, next(row["pid"] for row in rows if row["name"] == name))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/upstream/tiny/v1/chat/completions",
+                                  "/upstream/tiny/v1/completions"])
+def test_the_hostile_corpus_through_a_real_router_to_a_real_model_server_is_answered_4xx_and_kills_nothing(
+        router: Router, path: str) -> None:
+    """tests/test_hostile_routes.py sends the corpus to every route in-process; here it crosses real sockets to
+    the model server (which parses what the router passes on), and the model's process must be the same after."""
+    pid = _pid(router.port, "tiny")
+    faults = []
+    for case in corpus("tiny", 9 * MIB):
+        if case.pieces > 1:
+            continue  # framing: HTTP's own (test_a_framing_error_is_a_json_400_naming_it) or in-process
+        reply = raw(router.port, post(path, case.body, content_type=case.content_type.replace("\x7f", "")))
+        if (problem := fault(reply.status, reply.headers.get("content-type", ""), reply.body)) is not None:
+            faults.append(f"{case.name}: {problem}")
+    assert not faults, "\n".join(faults)
+    assert _pid(router.port, "tiny") == pid
+    model_log = httpx.get(f"{router.url}/api/models/tiny/logs?lines=5000", timeout=5).text
+    assert "Traceback" not in model_log and "unexpected error" not in model_log, model_log[-3000:]
     serves(router)
 
 
