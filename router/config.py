@@ -46,7 +46,10 @@ class RouterSettings(_Frozen):
     max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
-    cors_origins: tuple[str, ...] = Field((), description='browser origins allowed by CORS ("*" = any); empty = none')
+    cors_origins: tuple[str, ...] | None = Field(
+        None, description='browser origins allowed by CORS ("*" = any); unset = pages on this machine '
+        "(http://localhost:*, http://127.0.0.1:*, http://[::1]:*); [] = none"
+    )
     device_failure_threshold: int = Field(
         3, ge=0, description="fatal errors of this many models on one device within 10 min mark it unhealthy; 0 = off"
     )
@@ -86,8 +89,8 @@ class RouterSettings(_Frozen):
 
     @field_validator("cors_origins")
     @classmethod
-    def _origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for origin in value:
+    def _origins(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for origin in value or ():
             if origin != "*" and not re.fullmatch(r"https?://[^/?#\s]+", origin):
                 raise ValueError(f'expected "*" or origins like "http://localhost:3000" (no path), got {origin!r}')
         return value

@@ -1,11 +1,15 @@
 """CORS for browser clients that talk to the router directly, from ``router.cors_origins``.
 
-Empty (the default) adds nothing: no header, and a preflight is an ordinary request.
-Otherwise requests under ``/v1``, ``/models`` and ``/upstream`` get Starlette's CORS
-handling: preflights (``OPTIONS`` with ``Access-Control-Request-Method``) are answered
-without an API key, and responses carry ``Access-Control-Allow-Origin`` for allowed
-origins. ``"*"`` allows every origin. The setting is read on every request, so a reload
-changes it without a restart.
+Unset (the default), pages served from this machine may call the router: the loopback
+origins ``http://localhost:*``, ``http://127.0.0.1:*`` and ``http://[::1]:*`` (and their
+``https`` forms), as Ollama allows by default — a browser UI on ``http://localhost:3000``
+works with no setting. A list replaces that default: ``["*"]`` allows every origin, ``[]``
+none (no header, and a preflight is an ordinary request).
+
+Requests under ``/v1``, ``/models``, ``/tokenize``, ``/detokenize`` and ``/upstream`` get
+Starlette's CORS handling: preflights (``OPTIONS`` with ``Access-Control-Request-Method``)
+are answered without an API key, and responses carry ``Access-Control-Allow-Origin`` for
+allowed origins. The setting is read on every request, so a reload changes it without a restart.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.errors import error_body
 from router.service import RouterService
 
-__all__ = ["CORS_PREFIXES", "Cors"]
+__all__ = ["CORS_PREFIXES", "LOOPBACK_ORIGINS", "Cors"]
 
-CORS_PREFIXES = ("/v1/", "/models", "/upstream/")
+CORS_PREFIXES = ("/v1/", "/models", "/upstream/", "/tokenize", "/detokenize")
+#: The origins allowed when ``router.cors_origins`` is unset: pages on this machine, any port.
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 #: Response headers a browser script may read.
 EXPOSED = ["Retry-After", "X-Request-Id"]
 PREFLIGHT_MAX_AGE_S = 600
@@ -46,21 +52,24 @@ class Cors:
     def __init__(self, app: ASGIApp, service: RouterService) -> None:
         self.app = app
         self.service = service
-        self._origins: tuple[str, ...] = ()
+        self._origins: tuple[str, ...] | None = ()
         self._cors: CORSMiddleware | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         origins = self.service.config.router.cors_origins
-        if not origins or scope["type"] != "http" or not _applies(scope["path"]):
+        if origins == () or scope["type"] != "http" or not _applies(scope["path"]):
             await self.app(scope, receive, send)
             return
         await self._middleware(origins)(scope, receive, send)
 
-    def _middleware(self, origins: tuple[str, ...]) -> CORSMiddleware:
+    def _middleware(self, origins: tuple[str, ...] | None) -> CORSMiddleware:
+        """Built again only when the setting changed (``None``: the loopback default)."""
         if self._cors is None or origins != self._origins:
             self._origins = origins
-            self._cors = _JsonCors(self.app, allow_origins=list(origins), allow_methods=["*"], allow_headers=["*"],
-                                   expose_headers=EXPOSED, max_age=PREFLIGHT_MAX_AGE_S, allow_private_network=True)
+            self._cors = _JsonCors(self.app, allow_origins=list(origins or ()),
+                                   allow_origin_regex=LOOPBACK_ORIGINS if origins is None else None,
+                                   allow_methods=["*"], allow_headers=["*"], expose_headers=EXPOSED,
+                                   max_age=PREFLIGHT_MAX_AGE_S, allow_private_network=True)
         return self._cors
 
 

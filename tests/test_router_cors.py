@@ -1,6 +1,7 @@
-"""CORS (``router.cors_origins``) through a real router: off by default, preflights answered for
-``/v1``, ``/models`` and ``/upstream`` without an API key, the allow-origin header on proxied
-and streamed answers, ``"*"``, a reload that changes it, and the config check."""
+"""CORS (``router.cors_origins``) through a real router: loopback pages allowed by default, preflights
+answered for ``/v1``, ``/models`` and ``/upstream`` without an API key, the allow-origin header on
+proxied and streamed answers, a list that replaces the default (``[]`` for none, ``"*"``), a reload
+that changes it, and the config check."""
 
 from __future__ import annotations
 
@@ -22,8 +23,24 @@ PREFLIGHT = {"origin": SITE, "access-control-request-method": "POST",
 CHAT = {"model": "echo", "messages": [{"role": "user", "content": "a b c"}]}
 
 
-async def test_no_cors_headers_by_default(tmp_path: Path) -> None:
+async def test_pages_on_this_machine_are_allowed_by_default_and_others_refused(tmp_path: Path) -> None:
     async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+        for origin in (SITE, "http://127.0.0.1:5173", "http://[::1]:8000", "http://localhost"):
+            preflight = await router.client.options("/v1/chat/completions", headers={**PREFLIGHT, "origin": origin})
+            assert preflight.status_code == 200, (origin, preflight.text)
+            assert preflight.headers["access-control-allow-origin"] == origin
+        listed = await router.client.get("/v1/models", headers={"origin": SITE})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == SITE
+        for origin in ("http://evil.example", "http://localhost.evil.example:3000", "http://127.0.0.1.nip.io"):
+            refused = await router.client.options("/v1/chat/completions", headers={**PREFLIGHT, "origin": origin})
+            assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers, origin
+            assert "router.cors_origins" in refused.json()["error"]["message"]
+            plain = await router.client.get("/v1/models", headers={"origin": origin})
+            assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+async def test_an_empty_list_turns_cors_off(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, {"echo": fake_model()}, router={"cors_origins": []})) as router:
         preflight = await router.client.options("/v1/chat/completions", headers=PREFLIGHT)
         assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
         check(preflight.json(), "ErrorResponse")
@@ -53,9 +70,11 @@ async def test_preflights_and_answers_carry_cors_for_the_allowed_origin(tmp_path
         assert "access-control-allow-origin" not in operator.headers
 
 
-async def test_a_preflight_from_another_origin_is_refused_with_an_openai_error(tmp_path: Path) -> None:
+async def test_a_list_replaces_the_default_and_refuses_another_origin_with_an_openai_error(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"echo": fake_model()}, router={"cors_origins": [SITE]})
     async with running_router(path) as router:
+        loopback = await router.client.options("/v1/models", headers={**PREFLIGHT, "origin": "http://127.0.0.1:8000"})
+        assert loopback.status_code == 400, "a listed origin replaces the loopback default"
         refused = await router.client.options("/v1/chat/completions",
                                               headers={**PREFLIGHT, "origin": "http://evil.example"})
         assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
