@@ -108,7 +108,8 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
     async def metrics(request: Request) -> Response:
         check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
         await service.console.refresh()
-        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+        exposition = service.metrics.render(service.config.router.metrics_names)
+        return Response(exposition, media_type="text/plain; version=0.0.4")
 
     routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]  # see _FastPath
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]

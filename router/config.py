@@ -50,6 +50,10 @@ class RouterSettings(_Frozen):
         None, description='browser origins allowed by CORS ("*" = any); unset = pages on this machine '
         "(http://localhost:*, http://127.0.0.1:*, http://[::1]:*); [] = none"
     )
+    metrics_names: tuple[Literal["ovrouter", "vllm"], ...] = Field(
+        ("ovrouter",), description="metric families /metrics exposes: ovrouter, and vllm (the same "
+        "figures under vLLM's vllm:* names, label model_name, for its Grafana boards)"
+    )
     device_failure_threshold: int = Field(
         3, ge=0, description="fatal errors of this many models on one device within 10 min mark it unhealthy; 0 = off"
     )
@@ -86,6 +90,13 @@ class RouterSettings(_Frozen):
     @classmethod
     def _budget(cls, value: Any) -> str | dict[str, int | float | str] | None:
         return parse_budget(value)
+
+    @field_validator("metrics_names")
+    @classmethod
+    def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("expected at least one of ovrouter, vllm")
+        return tuple(dict.fromkeys(value))
 
     @field_validator("cors_origins")
     @classmethod

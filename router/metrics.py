@@ -1,11 +1,18 @@
-"""Prometheus metrics of one router, in a registry of its own (tests run several routers)."""
+"""Prometheus metrics of one router, in a registry of its own (tests run several routers).
+
+``render(names)`` writes the families ``router.metrics_names`` asks for: ``ovrouter`` (this
+module's), ``vllm`` (the same figures under vLLM's names, :mod:`router.vllm_metrics`).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from router.tallies import TallyCounter, TallyHistogram
+from router.vllm_metrics import VllmNames
 
 __all__ = ["Metrics"]
 
@@ -67,6 +74,13 @@ class Metrics:
         self._activity(r)
         for tally in self._tallies():
             r.register(tally)
+        self.vllm_registry = CollectorRegistry()
+        self.vllm_registry.register(VllmNames([
+            ("vllm:time_to_first_token_seconds", self.ttft), ("vllm:inter_token_latency_seconds", self.itl),
+            ("vllm:e2e_request_latency_seconds", self.request_duration), ("vllm:prompt_tokens", self.prompt_tokens),
+            ("vllm:generation_tokens", self.completion_tokens), ("vllm:num_requests_running", self.in_flight),
+            ("vllm:num_requests_waiting", self.queued), ("vllm:kv_cache_usage_perc", self.backend["cache_usage"]),
+        ], self.requests))
 
     def _activity(self, r: CollectorRegistry) -> None:
         self.ttft = TallyHistogram("ovrouter_time_to_first_token_seconds", "request arrival to the first streamed "
@@ -108,8 +122,10 @@ class Metrics:
         self.requests.inc((model, status))
         self.request_duration.observe((model,), elapsed_s)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Sequence[str] = ("ovrouter",)) -> bytes:
+        """The exposition of the named families (``ovrouter``, ``vllm``), in that order."""
+        registries = {"ovrouter": self.registry, "vllm": self.vllm_registry}
+        return b"".join(generate_latest(registries[name]) for name in names)
 
     def forget(self, model: str) -> None:
         """Drop the per-model series of a model that left the config."""
