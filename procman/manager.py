@@ -13,7 +13,7 @@ from types import MappingProxyType
 from procman.address import AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
-from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place
+from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place, waiting_words
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
 from procman.runtime import Listener, Runtime, Sleep
@@ -94,6 +94,7 @@ class ProcessManager:
         self._waiting: list[tuple[str, str | None]] = []  # starts waiting for room, in arrival order: (key, device)
         self._change = asyncio.Event()
         self._room_waiters = 0
+        self._room_waits: dict[str, str] = {}  # written only by make_room: model -> why its start waits
 
     # -- listeners ------------------------------------------------------------------------------
 
@@ -216,6 +217,19 @@ class ProcessManager:
         ahead = self._ahead(key, claim.device)
         return place(key, claim.device, claim.size_bytes, holders, budgets, self._runtime.clock(), queued_ahead=ahead)
 
+    def room_waits(self) -> dict[str, str]:
+        """Read-only view (a copy): the models whose start waits for room now, each with one line saying why."""
+        return dict(self._room_waits)
+
+    def _wait_line(self, name: str, scopes: Sequence[Scope], room: Room, spot: Placement) -> str:
+        if not room.fits:
+            scope = room.busy or next(s for s in scopes if s.limit > 0)
+            held = ", ".join(sorted(m.name for m in self.loaded() if m.name in scope.members)) or "nothing"
+            return f"waiting for a slot: {scope.label} allows {scope.limit} loaded model(s), held by {held}"
+        claim = self._claim(name)
+        budget = (self.budgets() if self.budgets is not None else {}).get(claim.device or "", 0)
+        return waiting_words(name, claim.device or "?", claim.size_bytes, budget, self.holders(), spot.wait)
+
     def _ahead(self, key: str, device: str | None) -> bool:
         for other, other_device in self._waiting:
             if other == key:
@@ -253,6 +267,8 @@ class ProcessManager:
                     if key == name:
                         self._holding.add(name)
                     return
+                if key == name:
+                    self._room_waits[name] = self._wait_line(name, scopes, room, spot)
                 now = self._runtime.clock()
                 if deadline - now <= 0:
                     raise self._no_room(name, scopes, room, spot)
@@ -260,6 +276,8 @@ class ProcessManager:
                 await self._wait_change(max(wake, 0.0))
         finally:
             self._waiting = [w for w in self._waiting if w[0] != key]
+            if key == name:
+                self._room_waits.pop(name, None)
             self._signal()
 
     async def _wait_change(self, timeout_s: float) -> None:

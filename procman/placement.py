@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Claim", "Holder", "Placement", "Wait", "format_bytes", "place"]
+__all__ = ["Claim", "Holder", "Placement", "Wait", "format_bytes", "place", "waiting_words"]
 
 Wait = Literal["compiling", "queued", "stopping", "busy", "young"]
 
@@ -139,3 +139,32 @@ def _evict(staying: Sequence[Holder], need: int, now: float) -> Placement:
     if young and freed + sum(h.size_bytes for h in stoppable if h.evictable_at > now) >= need:
         return Placement(False, wait="young", retry_at=min(young))
     return Placement(False, wait="busy", retry_at=min(young) if young else None)
+
+
+#: What each wait means, for the line a waiting model shows (``/api/models``, ``ovrouter status``, the console).
+WAIT_WORDS: dict[Wait, str] = {
+    "compiling": "another start on this device goes first",
+    "queued": "an earlier start waits first",
+    "stopping": "idle models are stopping to make room",
+    "busy": "the others are busy",
+    "young": "the idle ones are within min_residency_s",
+}
+
+
+def waiting_words(target: str, device: str, size_bytes: int, budget: int, holders: Sequence[Holder],
+                  wait: Wait | None) -> str:
+    """``waiting for memory: needs 300 MiB, 900 MiB of 1 GiB CPU in use by m2 (busy), m3 (idle); ...``."""
+    here = sorted((h for h in holders if h.device == device and h.name != target), key=lambda h: h.name)
+    used = sum(h.size_bytes for h in here)
+    by = ", ".join(f"{h.name} ({_holding(h)})" for h in here) or "nothing"
+    why = f"; {WAIT_WORDS[wait]}" if wait is not None else ""
+    return (f"waiting for memory: needs {format_bytes(size_bytes)}, {format_bytes(used)} of {format_bytes(budget)} "
+            f"{device} in use by {by}{why}")
+
+
+def _holding(holder: Holder) -> str:
+    if holder.going:
+        return "stopping"
+    if holder.starting:
+        return "starting"
+    return "idle" if holder.idle else "busy"

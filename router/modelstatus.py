@@ -3,7 +3,8 @@
 procman's states map onto the four values clients know::
 
     STOPPED   -> unloaded   (failed when the last start attempt failed)
-    STARTING  -> loading    (with an estimated progress once one start has been timed)
+    STARTING  -> loading    (with an estimated progress once one start has been timed; ``waiting``
+                             says why while the start waits for room in the memory budget)
     READY     -> loaded
     STOPPING  -> unloaded
     BACKOFF   -> failed     (a start failed or the process died; the next start waits out a delay)
@@ -85,6 +86,8 @@ class StatusBus:
         status: dict[str, Any] = {"value": value}
         if value == "loading":
             status["progress"] = self._progress(name)
+            if (waiting := self.service.registry.manager.room_waits().get(name)) is not None:
+                status["waiting"] = waiting  # not loading yet: no process, no memory held
         elif value == "failed":
             status.update(failed=True, exit_code=backend.exit_code)
             if backend.last_error:

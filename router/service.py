@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from procman import BackendUnavailable, ProcessManager
+from procman import BackendUnavailable, ProcessManager, State
 from router.config import Config, ConfigError, load_config
 from router.console import Console
 from router.devices import DeviceGuard
@@ -148,9 +148,14 @@ class RouterService:
         return BackendUnavailable(reason)
 
     def models_table(self) -> list[dict[str, Any]]:
+        """One row per model; a start waiting for room shows ``state: waiting`` and ``waiting``: why."""
         rows = []
+        waits = self.registry.manager.room_waits()
         for name, model in self.registry.models.items():
             row = dict(model.backend.snapshot())
+            row["waiting"] = waits.get(name) if model.backend.state is State.STARTING else None
+            if row["waiting"]:
+                row["state"] = "waiting"
             row.update(
                 name=name, task=model.spec.task, engine=model.spec.engine if model.spec.launches_modelserver else None,
                 kind=_kind(model.spec), device=model.spec.device, aliases=list(model.spec.aliases),

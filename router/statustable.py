@@ -46,7 +46,10 @@ FAULT_REASONS = ("failed start:", "restart:crash", "restart:fatal", "restart:han
 
 
 def _last(row: dict[str, Any]) -> str:
-    """The last reason, with the error only when that reason was the fault (never a stale one after an unload)."""
+    """The last reason, with the error only when that reason was the fault (never a stale one after an unload);
+    a start waiting for room says why instead."""
+    if row.get("waiting"):
+        return str(row["waiting"])
     reason = row.get("last_reason") or ""
     error = (row.get("last_error") or "").split("\n", 1)[0] if not reason or reason.startswith(FAULT_REASONS) else ""
     return (f"{reason}: {error}" if reason and error else error or reason)[:70]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from procman.placement import Holder, Placement, format_bytes, place
+from procman.placement import Holder, Placement, format_bytes, place, waiting_words
 
 M = 1024 * 1024
 NOW = 1000.0
@@ -100,3 +100,13 @@ def test_counts_never_stop_a_pinned_model() -> None:
     pinned = Member("a", idle=True, last_used=0.0, pinned=True)
     assert victims("c", [pinned, Member("b", idle=True, last_used=5.0)], [scope]) == Room(("b",), False)
     assert victims("c", [pinned, Member("b", idle=False, last_used=5.0)], [scope]) == Room((), False, scope)
+
+
+def test_waiting_words_name_the_need_the_use_and_each_holder_on_the_device() -> None:
+    holders = [busy("m2", 300), idle("m3", 300, 1, starting=True), idle("m4", 300, 2, going=True),
+               busy("gpu", 500, device="GPU.0"), busy("m1", 100)]
+    words = waiting_words("m1", "CPU", 300 * M, 1024 * M, holders, "busy")
+    assert words == ("waiting for memory: needs 300 MiB, 900 MiB of 1 GiB CPU in use by m2 (busy), m3 (starting), "
+                     "m4 (stopping); the others are busy")
+    alone = waiting_words("m1", "CPU", M, M, [], None)
+    assert alone == "waiting for memory: needs 1 MiB, 0 B of 1 MiB CPU in use by nothing"

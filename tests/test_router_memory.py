@@ -18,6 +18,7 @@ import pytest
 
 from modelserver.spec import SPEC_ENV
 from procman import Backend, State
+from router.statustable import status_table
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
 from tests.test_router_reload import rewrite
@@ -109,6 +110,27 @@ async def test_min_residency_makes_a_start_wait_instead_of_thrashing(tmp_path: P
         # d must wait for one of a, b, c to have been loaded 1.5 s: it waits, it does not fail
         assert await asyncio.gather(*(ask(router, "d", f"d {i}") for i in range(3))) == [200, 200, 200]
         assert check.evicted == ["a"] and not check.problems, check.problems
+
+
+async def test_a_start_waiting_for_room_says_so_everywhere_instead_of_starting(tmp_path: Path) -> None:
+    async with three_of_four_loaded(tmp_path, 60) as (router, check):  # a, b, c stay young for a minute: d waits
+        waiting = asyncio.ensure_future(ask(router, "d"))
+        manager = router.service.registry.manager
+        await wait_for(lambda: "d" in manager.room_waits(), what="d waiting for room")
+        expected = ("waiting for memory: needs 300 MiB, 900 MiB of 1 GiB CPU in use by a (idle), b (idle), c (idle); "
+                    "the idle ones are within min_residency_s")
+        rows = {r["name"]: r for r in (await router.client.get("/api/models")).json()["models"]}
+        assert rows["d"]["state"] == "waiting" and rows["d"]["pid"] is None and rows["d"]["waiting"] == expected
+        assert rows["a"]["state"] == "ready" and rows["a"]["waiting"] is None
+        status = next(m for m in (await router.client.get("/models")).json()["data"] if m["id"] == "d")["status"]
+        assert status["value"] == "loading" and status["waiting"] == expected, status
+        assert (await router.client.get("/api/status")).json()["models"]["d"] == "waiting"
+        table = status_table(router.service.console.enrich(router.service.models_table()))
+        assert any(line.split()[:3] == ["d", "waiting", "-"] and expected in line for line in table.splitlines()), table
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert check.evicted == []
 
 
 async def test_a_model_that_can_never_fit_gets_a_503_naming_the_budget_and_sizes(tmp_path: Path) -> None:

@@ -186,6 +186,7 @@ function stateCell(m) {
   if (m.state === "starting" && loading) {
     html += ` <span class="reason">${loading.elapsed_s.toFixed(0)} s${loading.estimate_s ? ` of ~${loading.estimate_s.toFixed(0)} s` : ""}</span>`;
   }
+  if (m.waiting) html += `<div class="reason" data-testid="waiting">${esc(m.waiting)}</div>`;
   if (m.last_reason) html += `<div class="reason">last: ${esc(m.last_reason)}</div>`;
   if (m.last_error) html += `<div class="lasterr" title="${esc(m.last_error)}">${esc(String(m.last_error).split("\n")[0].slice(0, 160))}</div>`;
   return html;
