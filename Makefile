@@ -8,7 +8,7 @@ CONFIG ?= config.yaml
 DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-matrix chaos bench bench-deps lint typecheck clean models
+.PHONY: setup serve test test-matrix chaos soak bench bench-deps lint typecheck clean models
 
 setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
 
@@ -40,6 +40,9 @@ test-matrix: setup test-models  ## the real-model tests under f32/bf16 precision
 
 chaos: setup  ## a bounded soak under faults (kill -9, SIGSTOP, markers, config edits); fails on hung/cut/orphans
 	$(PY) -m bench.chaos $(CHAOS_ARGS)
+
+soak: setup  ## SOAK_MINUTES (default 30) of chaos load; fails on RSS/open-file/thread growth past bench/soak.py's bounds
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
 	$(PY) -m bench $(BENCH_ARGS)

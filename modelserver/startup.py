@@ -11,10 +11,14 @@ first request handed the loaded engine).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 
-__all__ = ["mark", "marks"]
+__all__ = ["FAULT_DIR_ENV", "fault_log", "mark", "marks"]
+
+#: A folder for the traceback of every thread on a fatal signal (SIGSEGV, SIGABRT...): the test suite sets it.
+FAULT_DIR_ENV = "OVROUTER_FAULT_DIR"
 
 _MARKS: dict[str, float] = {}
 
@@ -41,3 +45,12 @@ def _process_start() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def fault_log() -> None:
+    """With ``OVROUTER_FAULT_DIR`` set, a crash of this process leaves the Python traceback of every thread in
+    ``<dir>/modelserver-<pid>.txt`` (``PYTHONFAULTHANDLER`` alone sends it to stderr: the router's log buffer)."""
+    folder = os.environ.get(FAULT_DIR_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        faulthandler.enable(open(os.path.join(folder, f"modelserver-{os.getpid()}.txt"), "w"), all_threads=True)

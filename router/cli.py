@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -51,12 +52,22 @@ def _load(path: str) -> Config:
         raise SystemExit(2) from None
 
 
+def _fault_log() -> None:
+    """``OVROUTER_FAULT_DIR`` set (the test suite does): a fatal signal's traceback of every thread goes to
+    ``<dir>/router-<pid>.txt``, as modelserver/startup.py does for a model server."""
+    if folder := os.environ.get("OVROUTER_FAULT_DIR"):
+        path = Path(folder, f"router-{os.getpid()}.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        faulthandler.enable(path.open("w"), all_threads=True)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
     from router.connlimits import GuardedHttpProtocol, connection_limits, raise_open_file_limit
 
+    _fault_log()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
     config = _load(args.config)
     host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
