@@ -284,15 +284,26 @@ def main(argv: list[str] | None = None) -> int:
             router.proc.wait(10)
         else:
             procs.stop(router.proc, timeout_s=30)
-        time.sleep(1.0)  # a moment for the kernel to deliver PDEATHSIG to the last children
-        orphans = model_processes(state_dir)
-        for proc in orphans:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+        orphans = reap_orphans(state_dir)
         reasons = report(tally, orphans, seconds)
+    return verdict("chaos", reasons)
+
+
+def reap_orphans(state_dir: Path) -> list[psutil.Process]:
+    """The model processes left after the router went (killed now); call once the router has exited."""
+    time.sleep(1.0)  # a moment for the kernel to deliver PDEATHSIG to the last children
+    orphans = model_processes(state_dir)
+    for proc in orphans:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return orphans
+
+
+def verdict(name: str, reasons: list[str]) -> int:
+    """Print each reason the run fails and the verdict; the exit status."""
     for reason in reasons:
         print(f"FAIL: {reason}")
-    print("chaos: " + ("FAILED" if reasons else "passed"))
+    print(f"{name}: " + ("FAILED" if reasons else "passed"))
     return 1 if reasons else 0
 
 

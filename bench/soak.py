@@ -154,18 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         router = start_router(procs, Path(tmp), config)
         tally, samples = asyncio.run(run(router, config, state_dir, minutes, args.sample_s, args.seed))
         procs.stop(router.proc, timeout_s=30)
-        time.sleep(1.0)
-        orphans = chaos.model_processes(state_dir)
-        for proc in orphans:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        reasons = chaos.report(tally, orphans, minutes * 60)
+        reasons = chaos.report(tally, chaos.reap_orphans(state_dir), minutes * 60)
     print(f"\nsamples (every {args.sample_s:g} s; baseline at minute {warmup:g}):\n{table(samples)}")
-    reasons += growth(samples, warmup, len(chosen) + 1)
-    for reason in reasons:
-        print(f"FAIL: {reason}")
-    print("soak: " + ("FAILED" if reasons else "passed"))
-    return 1 if reasons else 0
+    return chaos.verdict("soak", reasons + growth(samples, warmup, len(chosen) + 1))
 
 
 if __name__ == "__main__":
