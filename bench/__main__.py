@@ -36,6 +36,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "streaming": ("bench.streaming", "Streaming: time to first byte and inter-chunk gap"),
     "model": ("bench.realmodel", "Real model: tokens/s direct vs through the router"),
     "structured": ("bench.structured", "Constrained decoding: tokens/s with and without structured output"),
+    "agent_session": ("bench.agent_session", "Agent session: TTFT of a turn repeating a ~3,000-token start"),
     "coldstart": ("bench.coldstart", "Cold start: request to first token for a stopped model"),
     "peer_llamacpp": ("bench.peer_llamacpp", "Peer: llama.cpp's server (llama-cpp-python), alone and through ovrouter"),
     "recovery": ("bench.recovery", "Recovery from a fatal error and from kill -9"),

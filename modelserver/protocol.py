@@ -470,12 +470,16 @@ def _invalid(exc: ValidationError) -> RequestError:
 # -- responses --------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; with ``cached_tokens`` (chat) also ``prompt_tokens_details.cached_tokens``."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 @dataclass(slots=True)
@@ -513,7 +517,7 @@ class _Shape:
             envelope["usage"] = None
         return envelope
 
-    def usage_chunk(self, counts: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, counts: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": counts}
 
 
@@ -523,7 +527,7 @@ class ChatShape(_Shape):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def body(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], counts: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope("chat.completion", [self._choice(c) for c in choices]), "usage": counts}
 
     @staticmethod
@@ -563,7 +567,7 @@ class TextShape(_Shape):
     prefix = "cmpl"
     chunk_object = "text_completion"
 
-    def body(self, choices: list[Choice], counts: dict[str, int]) -> dict[str, Any]:
+    def body(self, choices: list[Choice], counts: dict[str, Any]) -> dict[str, Any]:
         rendered = [self._choice(c.text or "", c.finish, c.index) for c in choices]
         return {**self._envelope("text_completion", rendered), "usage": counts}
 

@@ -27,6 +27,12 @@ BACKEND_GAUGES = {
     "scheduled_requests": ("ovrouter_backend_scheduled_requests", "requests the pipeline scheduled in its last step"),
     "cache_usage": ("ovrouter_backend_kv_cache_usage_ratio", "KV-cache blocks in use, 0..1 (continuous batching)"),
     "cache_bytes": ("ovrouter_backend_kv_cache_bytes", "KV-cache memory the pipeline allocated"),
+    "prefix_prompt_tokens": ("ovrouter_backend_prefix_prompt_tokens", "prompt tokens the process was asked to "
+                             "prefill since it started (prefix caching's denominator)"),
+    "prefix_cached_tokens": ("ovrouter_backend_prefix_cached_tokens", "of those, tokens served from the prefix cache "
+                             "(estimated by whole KV blocks) since the process started"),
+    "prefix_cache_hits": ("ovrouter_backend_prefix_cache_hits", "requests that reused a cached prefix since the "
+                          "process started"),
     "device_memory_bytes": ("ovrouter_model_device_memory_bytes", "device memory in use, when the device reports it"),
 }
 

@@ -156,7 +156,7 @@ class Progress:
     role_sent: bool = False
     finish: str | None = None
     done: bool = False
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
 
 
 def progress(log: StreamLog) -> Progress:
@@ -242,6 +242,9 @@ class Splice:
             usage["completion_tokens"] = usage.get("completion_tokens", 0) + seen.tokens
             usage["prompt_tokens"] = max(usage.get("prompt_tokens", 0) - seen.tokens, 0)  # the continuation's
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]  # prompt held the text
+            if isinstance(details := usage.get("prompt_tokens_details"), dict) and "cached_tokens" in details:
+                usage["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"],
+                                                                                    usage["prompt_tokens"])}
             event["usage"] = usage
         choices = event.get("choices") or []
         if seen.role_sent and choices and _role_only(choices[0]):

@@ -65,7 +65,8 @@ async def test_chat_completion_echoes_the_last_user_message(llm: httpx.AsyncClie
     assert data["choices"][0]["message"] == {"role": "assistant", "content": "hello big world", "refusal": None}
     assert data["system_fingerprint"].startswith("fp_")
     assert data["choices"][0]["finish_reason"] == "stop"
-    assert data["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert data["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_max_tokens_ends_with_length(llm: httpx.AsyncClient) -> None:

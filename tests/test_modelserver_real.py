@@ -236,6 +236,27 @@ def test_one_log_line_per_request_and_model_properties_at_start(server: ModelSer
     assert "finish=error" in line and "cancelled" not in line
 
 
+def test_a_repeated_long_prefix_is_served_from_the_prefix_cache(server: ModelServerProcess) -> None:
+    """Prefix caching is on by default: the second request reports most of its prompt as cached."""
+    history = [{"role": "system", "content": " ".join(f"Rule {i}: answer briefly." for i in range(60))}]
+    with server.client() as http:
+        before = http.get("/health").json()
+        answers = [
+            http.post("/v1/chat/completions", json={
+                "messages": [*history, {"role": "user", "content": question}], "max_tokens": 2, "temperature": 0,
+            }).json()["usage"]
+            for question in ("What is rule 3?", "And what is rule 7?")
+        ]
+        after = http.get("/health").json()
+    assert before["prefix_caching"] is True
+    assert answers[0]["prompt_tokens"] > 300
+    second = answers[1]["prompt_tokens_details"]["cached_tokens"]
+    assert answers[1]["prompt_tokens"] - 64 < second < answers[1]["prompt_tokens"]  # all but the new question
+    assert second % 32 == 0  # whole KV blocks
+    assert after["prefix_cached_tokens"] - before["prefix_cached_tokens"] >= second
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]
+
+
 def test_a_request_before_the_server_is_ready_gets_503_loading(demo_gguf: Path) -> None:
     spec = build_model_spec("late", {"path": str(demo_gguf)})
     with modelserver(spec=spec, wait=False) as late:

@@ -82,7 +82,8 @@ async def test_a_stream_whose_backend_is_killed_mid_generation_completes(tmp_pat
                 os.kill(first.pid, signal.SIGKILL)
         chunks = assert_whole_answer("\n\n".join(lines) + "\n\n", text=STALLING)
         usage = [e["usage"] for e in chunks if e.get("usage")]
-        assert usage == [{"prompt_tokens": 25, "completion_tokens": 25, "total_tokens": 50}]
+        assert usage == [{"prompt_tokens": 25, "completion_tokens": 25, "total_tokens": 50,
+                          "prompt_tokens_details": {"cached_tokens": 0}}]
         assert router.backend("echo").restarts == 1
 
 

@@ -42,7 +42,14 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.api.toolplan import chat_plan
-from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams, TextGenerator, TextStream
+from modelserver.engines.base import (
+    ChatTurn,
+    GenerationRequest,
+    SamplingParams,
+    TextGenerator,
+    TextStream,
+    cached_tokens,
+)
 from modelserver.errors import ModelServerError, RequestError, UnsupportedParameter, error_body
 from modelserver.protocol import (
     SEED_RANGE,
@@ -201,8 +208,10 @@ async def _close(request: Request, runs: list[Run], unfinished: str = "cancelled
     note(request, finish=",".join(run.finish or unfinished for run in runs) or unfinished)
 
 
-def _usage(runs: list[Run]) -> dict[str, int]:
-    return usage(runs[0].stream.prompt_tokens, sum(run.stream.completion_tokens for run in runs))
+def _usage(runs: list[Run], shape: Shape) -> dict[str, Any]:
+    """Counts of the answer; a chat's also the prompt tokens its prefix came from the cache for."""
+    cached = cached_tokens(runs[0].stream) if isinstance(shape, ChatShape) else None
+    return usage(runs[0].stream.prompt_tokens, sum(run.stream.completion_tokens for run in runs), cached)
 
 
 def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -230,7 +239,7 @@ async def _respond(request: Request, body: Body, generation: GenerationRequest, 
         return Response(status_code=499)
     finally:
         await _close(request, runs)
-    return JSONResponse(shape.body(list(choices), _usage(runs)))
+    return JSONResponse(shape.body(list(choices), _usage(runs, shape)))
 
 
 def logprob_entries(stream: TextStream) -> list[dict[str, Any]]:
@@ -329,7 +338,7 @@ async def _events(runs: list[Run], shape: Shape, parser: str | None, logprobs: b
         yield sse(error_body(exc))
     else:
         if shape.include_usage:
-            yield sse(shape.usage_chunk(_usage(runs)))
+            yield sse(shape.usage_chunk(_usage(runs, shape)))
     yield b"data: [DONE]\n\n"
 
 

@@ -22,9 +22,11 @@ __all__ = [
     "Engine",
     "FinishReason",
     "GenerationRequest",
+    "PromptCounting",
     "SamplingParams",
     "TextGenerator",
     "TextStream",
+    "cached_tokens",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -117,6 +119,23 @@ class TextStream(Protocol):
     def __aiter__(self) -> AsyncIterator[str]: ...
 
     async def aclose(self) -> None: ...
+
+
+def cached_tokens(stream: TextStream) -> int:
+    """Prompt tokens of ``stream`` the engine took from its prefix cache (0 where it keeps none).
+
+    Read by every protocol's usage: chat ``prompt_tokens_details.cached_tokens``, Responses
+    ``input_tokens_details.cached_tokens``, Messages ``cache_read_input_tokens``.
+    """
+    return int(getattr(stream, "cached_tokens", 0))
+
+
+@runtime_checkable
+class PromptCounting(Protocol):
+    """A text engine that counts a request's prompt tokens without generating (``input_tokens``,
+    ``count_tokens``): exactly the ``prompt_tokens`` the same request would be charged."""
+
+    def prompt_tokens(self, request: GenerationRequest) -> int: ...
 
 
 @runtime_checkable

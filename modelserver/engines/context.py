@@ -102,6 +102,11 @@ class PromptCounter:
             prompt_tokens = self._full_count(prompt, special)
         return input_ids, prompt_tokens, fit_context(prompt_tokens, sampling, self.context_length, param)
 
+    def total(self, prompt: str, special: bool) -> int:
+        """The tokens of ``prompt`` however long (what :meth:`fit` charges, without its checks)."""
+        count = self.count(prompt, special)
+        return self._full_count(prompt, special) if self.cap is not None and count >= self.cap else count
+
     def _full_count(self, prompt: str, special: bool) -> int:
         """The tokens of ``prompt`` however long (in pieces below the tokenizer's cap, 256 pieces a call)."""
         pieces, total = list(chunks(prompt)), self._special_tokens if special else 0

@@ -301,10 +301,15 @@ class FakeTextGenerator:
     def close(self) -> None:
         pass
 
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        """The fake's prompt size: the words of every message (or of the prompt)."""
+        text = request.last_user_text()
+        return sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+
     def generate(self, request: GenerationRequest) -> FakeStream:
         text = request.last_user_text()
         inject_faults(text)
-        prompt_words = sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+        prompt_words = self.prompt_tokens(request)
         param = "messages" if request.messages is not None else "prompt"
         max_tokens = fit_context(prompt_words, request.sampling, self.context_length, param)
         answer = structured_answer(request, self.tool_parser)

@@ -38,6 +38,7 @@ from modelserver.engines.ov_options import (
 from modelserver.engines.task_options import task_options
 from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.modelfiles import context_length
+from modelserver.prefixcache import PrefixTracker, block_size_for, scheduler_defaults
 from modelserver.spec import ModelSpec
 from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer
@@ -210,9 +211,15 @@ def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) ->
 class LLMStream:
     """The async side of one ticket: token ids in, UTF-8-safe text deltas out."""
 
-    def __init__(self, pump: Pump, ticket: Ticket, events: asyncio.Queue[Event], decode: Callable[..., str]):
+    def __init__(self, pump: Pump, ticket: Ticket, events: asyncio.Queue[Event], decode: Callable[..., str],
+                 prefix: PrefixTracker | None = None) -> None:
         self.prompt_tokens = int(ticket.input_ids.shape[1])
         self.completion_tokens = 0
+        self._prompt_ids: list[int] = [int(i) for i in ticket.input_ids.data[0]] if prefix is not None else []
+        self._prefix = prefix
+        #: prompt tokens the pipeline's prefix cache serves (an estimate: :class:`PrefixTracker`)
+        self.cached_tokens = prefix.count(self._prompt_ids) if prefix is not None else 0
+        self._generated: list[int] = []
         self.finish_reason: FinishReason | None = None
         self._pump = pump
         self._ticket = ticket
@@ -235,10 +242,14 @@ class LLMStream:
                 self.completion_tokens += len(ids)
                 if self._ticket.logprobs is not None:
                     self._ids.extend(ids)
+                if self._prefix is not None:
+                    self._generated.extend(ids)
                 text = self._detokenizer.push(ids)
                 if finish is not None:
                     text += self._detokenizer.flush()
                     self.finish_reason = finish
+                    if self._prefix is not None:  # its blocks stay in the cache for the next turn
+                        self._prefix.remember(self._prompt_ids + self._generated)
                 if text:
                     yield text
         finally:
@@ -272,6 +283,8 @@ class OpenVINOTextGenerator:
         self._ids = itertools.count(1)
         self.reports_logprobs = True
         self._counter = PromptCounter(self._tokenizer, context)  # a GGUF's tokenizer cuts at 8192 tokens
+        scheduler = scheduler_defaults(spec.task, spec.device, spec.scheduler)
+        self._prefix = PrefixTracker(block_size_for(spec.device), bool(scheduler.get("enable_prefix_caching")))
         self.context_length = self._counter.context_length
         self._pump = Pump(pipe)
         self._pump.start()
@@ -288,13 +301,13 @@ class OpenVINOTextGenerator:
             "chat_template": bool(self._tokenizer.chat_template),
             "tool_parser": self.tool_parser,
             "template_takes_tools": self._template_tools,
-            "scheduler": dict(self._spec.scheduler),
+            "scheduler": scheduler_defaults(self._spec.task, self._spec.device, self._spec.scheduler),
             "ov_config": self._properties,
         }
 
     def stats(self) -> dict[str, Any]:
         figures = {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled}
-        return {**figures, **pipeline_figures(self._pump.metrics)}
+        return {**figures, **pipeline_figures(self._pump.metrics), **self._prefix.stats()}
 
     def close(self) -> None:
         self._pump.stop()
@@ -317,7 +330,12 @@ class OpenVINOTextGenerator:
         events: asyncio.Queue[Event] = asyncio.Queue()
         ticket.deliver = _deliverer(asyncio.get_running_loop(), events)
         self._pump.submit(ticket)
-        return LLMStream(self._pump, ticket, events, self._decode)
+        return LLMStream(self._pump, ticket, events, self._decode, self._prefix if self._prefix.enabled else None)
+
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt tokens ``request`` would be charged (its ``usage``), without generating anything."""
+        prompt, special = self._render(request)
+        return self._counter.total(prompt, special)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -431,7 +449,7 @@ def _set_penalties(config: Any, sampling: SamplingParams) -> None:
 
 def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, Any]) -> Any:
     properties = {**properties, **source.extra_properties()}
-    scheduler = scheduler_config(spec.scheduler)
+    scheduler = scheduler_config(scheduler_defaults(spec.task, spec.device, spec.scheduler))
     if source.tokenizer_path is None:
         return ov_genai.ContinuousBatchingPipeline(str(source.path), scheduler, spec.device, properties)
     tokenizer = ov_genai.Tokenizer(str(source.tokenizer_path), **source.extra_properties())
