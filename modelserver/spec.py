@@ -128,7 +128,9 @@ class ModelSpec(_Frozen):
     aliases: tuple[str, ...] = for_router((), description="other names that route to this model")
     preload: bool = for_router(False, description="start with the router instead of on the first request")
     ov_config: dict[str, Any] = for_engine(default_factory=dict, description="OpenVINO properties, passed through")
-    scheduler: dict[str, Any] = for_engine(default_factory=dict, description="openvino_genai.SchedulerConfig fields")
+    scheduler: dict[str, Any] = for_engine(default_factory=dict, description=(
+        "openvino_genai.SchedulerConfig fields; `llm` turns `enable_prefix_caching` on (and on CPU `cache_size: 1`) "
+        "unless set: docs/prefix-caching.md"))
     group: str | None = for_router(None, description="a key of `groups` (shared max_loaded)")
     pin: bool = for_router(False, description="never stopped to make room for another model")
     min_residency_s: float = for_router(
