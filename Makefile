@@ -105,3 +105,13 @@ ui-deps:  ## chromium for the /ui browser tests, via apt-get when missing
 	  apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
 	  || echo "chromium could not be installed: the /ui browser tests will be skipped"; }
 # ---- end dashboard browser tests ------------------------------------------------------------
+
+# ---- Ray engine (issue 22) ------------------------------------------------------------------
+# The Ray engine's tests on a real ray.cluster_utils.Cluster on 127.0.0.1 (a head and two workers).
+# Outside `make test`: they need the `ray` extra (installed here into .venv) and ~1-2 minutes.
+.PHONY: test-ray
+
+test-ray: setup  ## the Ray engine's tests (installs the `ray` extra)
+	$(PIP) install -q -e '.[test,bench,ray]'
+	OVROUTER_TEST_RAY=1 $(PY) -m pytest tests/test_ray_engine.py $(PYTEST_ARGS)
+# ---- end Ray engine ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@ fills in, which is how ``python -m modelserver`` starts serving before the model
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,15 +23,32 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelserver.api.common import LOG_NOTES, runtime
-from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, error_body, error_response
+from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, Unauthorized, error_body, error_response
 from modelserver.memory import meter_for
 from modelserver.runtime import ModelRuntime
 from modelserver.spec import ModelSpec
 from modelserver.tasks import routes_for
 
-__all__ = ["BodyLimit", "ExitWhenFailed", "RequestLog", "build_app"]
+__all__ = ["BodyLimit", "ExitWhenFailed", "RequestLog", "RequireToken", "build_app"]
 
 log = logging.getLogger("modelserver.access")
+
+
+class RequireToken:
+    """401 for any request without ``Authorization: Bearer <token>``, every endpoint (``/health`` too)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "this model server requires its bearer token (sent by the router that started it)"
+                await error_response(Unauthorized(message))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
@@ -158,8 +176,12 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=500)
 
 
-def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | None = None) -> Starlette:
-    """The app for one model; give a loaded ``engine``, or a ``runtime`` that a loader fills in."""
+def build_app(
+    spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | None = None, token: str | None = None
+) -> Starlette:
+    """The app for one model; give a loaded ``engine``, or a ``runtime`` that a loader fills in.
+
+    ``token``: every request must carry it as a bearer token (a server listening on a network address)."""
     rt = runtime or ModelRuntime(spec)
     if engine is not None:
         rt.set_ready(engine)
@@ -172,6 +194,7 @@ def build_app(spec: ModelSpec, engine: Any = None, *, runtime: ModelRuntime | No
     app = Starlette(
         routes=[Route("/health", health), Route("/v1/models", list_models), *routes_for(spec.task)],
         middleware=[
+            *([Middleware(RequireToken, token=token)] if token else []),
             Middleware(ExitWhenFailed, runtime=rt),
             Middleware(RequestLog),
             Middleware(BodyLimit, max_mb=spec.max_request_mb),

@@ -49,6 +49,8 @@ EXIT_LOAD_FAILED = 1
 EXIT_USAGE = 2
 EXIT_FATAL = 3
 GRACEFUL_SHUTDOWN_S = 3
+#: The bearer token the router hands a process it runs on a node (``procman.process.TOKEN_ENV``, the same name).
+TOKEN_ENV = "OVROUTER_MODEL_TOKEN"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -120,14 +122,19 @@ class _Loader:
             server.should_exit = self._failed
 
 
-def _server(args: argparse.Namespace, runtime: ModelRuntime) -> uvicorn.Server:
+def take_token() -> str | None:
+    """The bearer token from :data:`TOKEN_ENV`, removed from the environment (nothing started here inherits it)."""
+    return os.environ.pop(TOKEN_ENV, None) or None
+
+
+def _server(args: argparse.Namespace, runtime: ModelRuntime, token: str | None = None) -> uvicorn.Server:
     import uvicorn  # imported while the loader thread builds the pipeline
 
     from modelserver.app import build_app
 
     listen: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     config = uvicorn.Config(
-        build_app(runtime.spec, runtime=runtime),
+        build_app(runtime.spec, runtime=runtime, token=token),
         http="httptools",
         loop="uvloop",
         log_config=None,
@@ -149,6 +156,7 @@ def _exit_fatal() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     startup.mark("imports")
     args = parse_args(argv)
+    token = take_token()
     configure_logging(args.log_level)
     try:
         spec = resolve_spec(args)
@@ -158,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime = ModelRuntime(spec, on_fatal=_exit_fatal)
     loader = _Loader(runtime)
     loader.thread.start()
-    server = _server(args, runtime)
+    server = _server(args, runtime, token)
     loader.attach(server)
     log.info("serving %s (task %s, engine %s) on %s", spec.name, spec.task, spec.engine, args.uds or args.port)
     server.run()

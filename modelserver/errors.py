@@ -7,6 +7,7 @@
     │   ├── UnsupportedParameter     400  a known parameter with a value this server cannot honour
     │   ├── ContextLengthExceeded    400  prompt + completion longer than the model's context
     │   └── BodyTooLarge             413  the body is above ``max_request_mb``
+    ├── Unauthorized                 401  no or a wrong bearer token (a server given one requires it)
     ├── NotReady                     503  the engine is still loading, or failed to load
     └── EngineError                  500  the engine failed this request; the server keeps serving
         ├── SuspectEngineError       500  a suspect device error (``suspect_patterns``): ordinary, but
@@ -41,6 +42,7 @@ __all__ = [
     "NotReady",
     "RequestError",
     "SuspectEngineError",
+    "Unauthorized",
     "UnsupportedParameter",
     "classify",
     "matches",
@@ -74,6 +76,15 @@ class RequestError(ModelServerError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class Unauthorized(ModelServerError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_token"
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
 
 
 class UnsupportedParameter(RequestError):

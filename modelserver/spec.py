@@ -29,6 +29,7 @@ __all__ = [
     "SPEC_ENV",
     "ConfigError",
     "FakeSpec",
+    "PlacementSpec",
     "Audience",
     "ModelSpec",
     "Task",
@@ -113,6 +114,15 @@ class FakeSpec(_Frozen):
     )
 
 
+class PlacementSpec(_Frozen):
+    """Where the model's process may run on an engine with nodes (``router.engine.kind: ray``)."""
+
+    resources: dict[str, float] = Field(
+        default_factory=dict, description='what it needs of a node\'s advertised resources, e.g. {"GPU.0": 1}'
+    )
+    node: str | None = Field(None, description="run it on this node only (a node id, id prefix, name or IP)")
+
+
 class ModelSpec(_Frozen):
     """Everything about one model, after ``defaults`` were merged under it."""
 
@@ -165,6 +175,9 @@ class ModelSpec(_Frozen):
         description="put before the path of every request to a `command`/`url` backend (OVMS: /v3)",
     )
     env: dict[str, str] = for_launch(default_factory=dict, description="extra environment for the model process")
+    placement: PlacementSpec = for_launch(
+        default_factory=PlacementSpec, description="engine ray: the node resources it needs, or its node"
+    )
     tool_parser: Literal["hermes", "llama3_json", "pythonic", "mistral", "none"] | None = for_engine(
         None, description="form of the model's tool calls; null = detected from the chat template"
     )

@@ -21,7 +21,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -40,13 +40,18 @@ _SAFE = re.compile(r"[A-Za-z0-9._-]{1,48}")
 
 @dataclass(frozen=True, slots=True)
 class Address:
-    """How to reach a backend: a Unix socket ``path`` or ``host:port``; ``url`` for a remote one."""
+    """How to reach a backend: a Unix socket ``path`` or ``host:port``; ``url`` for a remote one.
+
+    ``token``: the bearer token the process requires on every request (a process listening on a
+    node's network address, where no 0700 socket directory guards it); never printed.
+    """
 
     kind: Literal["uds", "tcp"]
     path: str | None = None
     host: str = "127.0.0.1"
     port: int | None = None
     url: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     @property
     def base_url(self) -> str:
@@ -139,8 +144,11 @@ class AddressAllocator:
         log.info("socket path under %s would be too long; using %s", self._runtime_dir, path)
         return _private_dir(path)
 
-    def allocate(self, name: str, transport: Literal["uds", "tcp"]) -> Address:
-        """A fresh address for ``name``; raises BackendUnavailable when no TCP port is free."""
+    def allocate(self, name: str, transport: Literal["uds", "tcp"], host: str | None = None) -> Address:
+        """A fresh address for ``name``; raises BackendUnavailable when no TCP port is free.
+
+        ``host``: a node's address (an engine with nodes); its ports are not probed from here, a
+        clash there is seen in the child's log and answered with the next port."""
         if transport == "uds":
             self._sockets += 1
             path = self.socket_dir / f"{safe_name(name)}-{self._sockets}.sock"
@@ -152,14 +160,15 @@ class AddressAllocator:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # left by a router before this one (its processes are gone with it)
             return Address(kind="uds", path=str(path))
-        return Address(kind="tcp", host=self._host, port=self._next_port(name))
+        port = self._next_port(name, probe=host in (None, self._host))
+        return Address(kind="tcp", host=host or self._host, port=port)
 
-    def _next_port(self, name: str) -> int:
+    def _next_port(self, name: str, probe: bool = True) -> int:
         for step in range(len(self._ports)):
             port = self._ports[(self._cursor + step) % len(self._ports)]
             if port in self._in_use:
                 continue
-            if not _port_is_free(self._host, port):
+            if probe and not _port_is_free(self._host, port):
                 log.info("port %d is taken by another process; %s tries the next one", port, name)
                 continue
             self._cursor = (self._cursor + step + 1) % len(self._ports)

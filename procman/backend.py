@@ -168,6 +168,7 @@ class Backend:
             "state": self.state.value,
             "pid": self.pid,
             "address": str(self.address) if self.address is not None else None,
+            "node": self._running.node if self._running is not None else None,
             "generation": self.generation,
             "started_at": self.started_at,
             "last_used": self.last_used,
@@ -599,7 +600,8 @@ class Backend:
             hook = self._rt.before_start if reserve and not self.spec.remote else None
             if hook is not None and not await _unless(abort, hook(self)):
                 return m.Started("aborted")
-            running = await process.launch(self._rt, self.spec, self.logs, abort)
+            where = self._rt.locate(self) if self._rt.locate is not None else None
+            running = await process.launch(self._rt, self.spec, self.logs, abort, where)
         except process.Aborted as stopped:
             return m.Started("aborted", has_process=True, payload=stopped.running)
         except NoRoom as refused:

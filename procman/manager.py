@@ -13,11 +13,12 @@ from types import MappingProxyType
 from procman.address import AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
+from procman.nodes import Node, Seat, choose_node
 from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place, waiting_words
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
 from procman.runtime import Listener, Runtime, Sleep
-from procman.spawner import Spawner, SubprocessSpawner
+from procman.spawner import Spawner, SubprocessSpawner, Where
 from procman.spec import BackendSpec
 from procman.states import State
 
@@ -33,6 +34,8 @@ BUSY_RETRY_AFTER_S = 5.0
 Scopes = Callable[[str], Sequence[Scope]]
 Claims = Callable[[str], Claim]
 Budgets = Callable[[], Mapping[str, int]]
+#: An engine with nodes: the live node list, read afresh before each placement decision.
+Cluster = Callable[[], Awaitable[Sequence[Node]]]
 #: Suffix of the key under which a rolling change's new process is counted until it takes the name.
 NEW = " (new)"
 
@@ -51,6 +54,10 @@ class ProcessManager:
     then also fits the device's budget (:func:`procman.placement.place`), starts one backend
     per budgeted device at a time, and serves waiting starts in arrival order. A rolling
     change runs a :meth:`successor` beside the current process and :meth:`promote` swaps them.
+
+    Nodes: with ``cluster`` (an engine with nodes, :mod:`procman.rayengine`), every start is
+    also placed on a node (:func:`procman.nodes.choose_node`: budgets per node, a backend's
+    ``resources`` as capacity) and the spawner is told where (:class:`procman.spawner.Where`).
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class ProcessManager:
         claims: Claims | None = None,
         budgets: Budgets | None = None,
         log_lines: int = 1000,
+        cluster: Cluster | None = None,
     ) -> None:
         self.runtime_dir = Path(runtime_dir).absolute()
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +90,12 @@ class ProcessManager:
             before_start=before_start or self._reserve,
             on_change=self._changed,
             log_lines=log_lines,
+            locate=self._where if cluster is not None else None,
         )
+        self.cluster = cluster
+        self.nodes: Sequence[Node] = ()  # the cluster's nodes at the last placement decision
+        self._placed: dict[str, Node] = {}  # key -> the node its room is held on (an engine with nodes)
+        self._choice: dict[str, Node] = {}  # key -> the node the last placement decision named
         self.scopes = scopes
         self.claims = claims
         self.budgets = budgets
@@ -215,6 +228,8 @@ class ProcessManager:
         if key != name:  # a successor never makes room by stopping the process it replaces
             holders = [dataclasses.replace(h, pinned=True) if h.name == name else h for h in holders]
         ahead = self._ahead(key, claim.device)
+        if self.cluster is not None:
+            return self._place_on_node(key, name, claim, holders, budgets, ahead)
         return place(key, claim.device, claim.size_bytes, holders, budgets, self._runtime.clock(), queued_ahead=ahead)
 
     def room_waits(self) -> dict[str, str]:
@@ -229,6 +244,35 @@ class ProcessManager:
         claim = self._claim(name)
         budget = (self.budgets() if self.budgets is not None else {}).get(claim.device or "", 0)
         return waiting_words(name, claim.device or "?", claim.size_bytes, budget, self.holders(), spot.wait)
+
+    def _place_on_node(self, key: str, name: str, claim: Claim, holders: Sequence[Holder],
+                       budgets: Mapping[str, int], ahead: bool) -> Placement:
+        spec = self._spec_of(key, name)
+        seats = [Seat(self._placed[h.name].id, h, self._spec_of(h.name, h.name).resources)
+                 for h in holders if h.name in self._placed]
+        choice = choose_node(key, claim.device, claim.size_bytes, spec.resources, self.nodes, seats, budgets,
+                             self._runtime.clock(), pin=spec.node, queued_ahead=ahead)
+        if choice.node is not None:
+            self._choice[key] = choice.node
+        return choice.placement
+
+    def _spec_of(self, key: str, name: str) -> BackendSpec:
+        backend = self._extra.get(key) or self._backends.get(name) or self._backends.get(key.split(" (")[0])
+        assert backend is not None, key
+        return backend.spec
+
+    def _where(self, backend: Backend) -> Where:
+        """The node ``backend``'s start was granted on (procman decided; the engine runs it there)."""
+        key = self._backend_key(backend) or backend.name
+        node = self._placed.get(key) or self._choice.get(key)
+        if node is None:
+            raise BackendUnavailable(f"{backend.name}: no node was chosen for this start")
+        return Where(backend.name, node.id, node.ip, dict(backend.spec.resources), node.name)
+
+    def node_of(self, backend: Backend) -> Node | None:
+        """The node ``backend`` holds room on (an engine with nodes), else None."""
+        key = self._backend_key(backend)
+        return self._placed.get(key) if key is not None else None
 
     def _ahead(self, key: str, device: str | None) -> bool:
         for other, other_device in self._waiting:
@@ -254,6 +298,8 @@ class ProcessManager:
         self._waiting.append((key, self._claim(name).device))
         try:
             while True:
+                if self.cluster is not None:
+                    self.nodes = await self.cluster()
                 room = victims(name, self.loaded(), scopes) if key == name else Room((), True)
                 spot = self.place(key, name)
                 if spot.never is not None:
@@ -266,6 +312,8 @@ class ProcessManager:
                 if room.fits and spot.fits:
                     if key == name:
                         self._holding.add(name)
+                    if key in self._choice:
+                        self._placed[key] = self._choice[key]
                     return
                 if key == name:
                     self._room_waits[name] = self._wait_line(name, scopes, room, spot)
@@ -346,6 +394,10 @@ class ProcessManager:
         self._backends[name] = new
         self._extra[f"{name} (old pid {old.pid})"] = old
         self._holding.add(name)
+        if name in self._placed:
+            self._placed[f"{name} (old pid {old.pid})"] = self._placed[name]
+        if name + NEW in self._placed:
+            self._placed[name] = self._placed.pop(name + NEW)
         if restart_reason is not None:
             new.restarts = old.restarts + 1
             self._runtime.notify("on_restart", new, restart_reason)
@@ -381,11 +433,13 @@ class ProcessManager:
             if state is State.STOPPED or state is State.BACKOFF:
                 self._holding.discard(backend.name)
                 self._evicting.discard(backend.name)
+                self._placed.pop(backend.name, None)
             elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
                 self._holding.add(backend.name)
         elif self._extra and (state is State.STOPPED or state is State.BACKOFF):  # a rolling change's old process
             for key in [k for k, extra in self._extra.items() if extra is backend and not k.endswith(NEW)]:
                 del self._extra[key]
+                self._placed.pop(key, None)
         self._signal()
 
     def _signal(self) -> None:

@@ -52,6 +52,8 @@ class HttpProber:
         reader, writer, host, prefix = await _connect(address)
         try:
             head = f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\n"
+            if address.token is not None:
+                head += f"Authorization: Bearer {address.token}\r\n"
             writer.write((head + "User-Agent: procman\r\nConnection: close\r\n\r\n").encode("latin-1"))
             await writer.drain()
             status = _status_of(await reader.readline())

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import secrets
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,12 +22,13 @@ from procman.address import Address, is_address_clash
 from procman.errors import BackendUnavailable, StartFailed, StartTimeout
 from procman.logbuffer import LogBuffer
 from procman.runtime import Runtime
-from procman.spawner import ProcessHandle
+from procman.spawner import ProcessHandle, Where
 from procman.spec import BackendSpec, substitute
 
 __all__ = [
     "Aborted",
     "Running",
+    "TOKEN_ENV",
     "child_command",
     "EXTERNAL_SIGNALS",
     "exit_cause",
@@ -47,6 +50,8 @@ CLASH_RETRIES = 5  # ports tried when the child reports its port taken
 KILL_REAP_S = 5.0  # how long a SIGKILLed process may take to be reaped
 TAIL_LINES = 20  # log lines quoted in a failed start
 CAUSE_LINES = 20  # last log lines an exit is classified by
+#: The environment variable that hands a process on a node its bearer token (``modelserver`` reads the same name).
+TOKEN_ENV = "OVROUTER_MODEL_TOKEN"
 
 
 @dataclass(slots=True)
@@ -57,6 +62,7 @@ class Running:
     handle: ProcessHandle | None
     exited: asyncio.Future[Any]
     log_mark: int = 0
+    node: str | None = None  # the node's short name (an engine with nodes); None: this machine
 
     @property
     def pid(self) -> int | None:
@@ -77,19 +83,25 @@ class Aborted(Exception):
         self.running = running
 
 
-async def launch(rt: Runtime, spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event) -> Running:
+async def launch(
+    rt: Runtime, spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event, where: Where | None = None
+) -> Running:
     """Spawn and wait for 200 on the health path; a clashing TCP port is retried on the next one.
 
+    ``where``: the node placement chose (an engine with nodes): the process listens on that
+    node's address and gets a fresh random bearer token (:data:`TOKEN_ENV`) that it requires.
     Raises StartFailed / StartTimeout (the process is already gone), BackendUnavailable for
     a remote that does not answer or no free address, Aborted when ``abort`` is set.
     """
     if spec.remote:
         return await _reach_remote(rt, spec)
     for _ in range(CLASH_RETRIES):
-        address = rt.allocator.allocate(spec.name, spec.transport)
+        address = rt.allocator.allocate(spec.name, spec.transport, where.host if where is not None else None)
+        if where is not None:
+            address = dataclasses.replace(address, token=secrets.token_urlsafe(32))
         running: Running | None = None
         try:
-            running = await _spawn(rt, spec, address, logs)
+            running = await _spawn(rt, spec, address, logs, where)
             await _wait_ready(rt, spec, running, logs, abort)
             return running
         except StartFailed as exc:  # the process is gone already
@@ -117,26 +129,38 @@ async def _reach_remote(rt: Runtime, spec: BackendSpec) -> Running:
     return Running(address=address, handle=None, exited=asyncio.get_running_loop().create_future())
 
 
-def child_command(spec: BackendSpec, address: Address) -> tuple[list[str], dict[str, str]]:
-    """argv and the full environment with ``${PORT}`` / ``${SOCKET}`` / ``${HOST}`` filled in."""
+def child_command(spec: BackendSpec, address: Address, inherit: bool = True) -> tuple[list[str], dict[str, str]]:
+    """argv and the environment with ``${PORT}`` / ``${SOCKET}`` / ``${HOST}`` filled in.
+
+    ``inherit``: start from the router's environment (a local child); a process on a node gets
+    only the backend's own variables (and its token), over the environment of its node.
+    """
     values = {"${HOST}": address.host, "${PORT}": str(address.port or ""), "${SOCKET}": address.path or ""}
-    env = dict(os.environ)
+    env = dict(os.environ) if inherit else {}
     env.setdefault("PYTHONUNBUFFERED", "1")  # a Python child's last words must reach the log before it dies
     env.update({key: substitute(value, values) for key, value in spec.env.items()})
+    if address.token is not None:
+        env[TOKEN_ENV] = address.token
     return [substitute(part, values) for part in spec.argv or ()], env
 
 
-async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuffer) -> Running:
-    argv, env = child_command(spec, address)
+async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuffer, where: Where | None) -> Running:
+    argv, env = child_command(spec, address, inherit=where is None)
     mark = logs.total
+    on = f" on node {where.node_name or where.node}" if where is not None else ""
     try:
-        handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append)
+        if where is None:
+            handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append)
+        else:
+            handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append, where=where)  # type: ignore[call-arg]
     except OSError as exc:
-        raise StartFailed(f"{spec.name}: cannot run {argv[0]!r}: {exc.strerror or exc}") from None
-    log.info("spawned %s pid=%d", spec.name, handle.pid)
+        raise StartFailed(f"{spec.name}: cannot run {argv[0]!r}{on}: {exc.strerror or exc}") from None
+    log.info("spawned %s pid=%d%s", spec.name, handle.pid, on)
     log.debug("%s argv=%s address=%s", spec.name, argv, address)
-    logs.note(f"spawned pid={handle.pid} address={address} argv={argv}")
-    return Running(address=address, handle=handle, exited=asyncio.ensure_future(handle.wait()), log_mark=mark)
+    logs.note(f"spawned pid={handle.pid}{on} address={address} argv={argv}")
+    node = (where.node_name or where.node) if where is not None else None
+    return Running(address=address, handle=handle, exited=asyncio.ensure_future(handle.wait()), log_mark=mark,
+                   node=node)
 
 
 async def _first(futures: Iterable[asyncio.Future[Any]]) -> None:
@@ -177,7 +201,8 @@ def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: 
     if running.exited.done():
         code = running.exit_code
         tail = logs.since(running.log_mark, TAIL_LINES)
-        raise StartFailed(_quote(f"{spec.name} exited with code {code} while starting", tail), code, tail)
+        on = f" on node {running.node}" if running.node is not None else ""
+        raise StartFailed(_quote(f"{spec.name} exited with code {code} while starting{on}", tail), code, tail)
     if aborted.done():
         raise Aborted(running)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from procman.address import AddressAllocator
 from procman.prober import Prober
-from procman.spawner import Spawner
+from procman.spawner import Spawner, Where
 from procman.states import State
 
 if TYPE_CHECKING:
@@ -63,6 +63,8 @@ class Runtime:
     before_start: Callable[[Backend], Awaitable[None]] | None = None
     on_change: Callable[[Backend], None] | None = None
     log_lines: int = 1000
+    #: an engine with nodes: where a backend's start was placed (None: the local engine)
+    locate: Callable[[Backend], Where] | None = None
 
     def notify(self, method: str, *args: object) -> None:
         """Call ``listener.<method>(*args)`` on every listener that has it; a failing listener is only logged."""

@@ -23,9 +23,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["GroupWatch", "LineCallback", "ProcessHandle", "Spawner", "SubprocessHandle", "SubprocessSpawner"]
+__all__ = ["GroupWatch", "LineCallback", "ProcessHandle", "Spawner", "SubprocessHandle", "SubprocessSpawner", "Where"]
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,29 @@ class ProcessHandle(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where an engine with nodes runs one process, as procman's placement chose it (the engine never decides).
+
+    ``node`` is the node's id, ``host`` the address the process listens on there, ``resources``
+    what the process needs of the node's advertised resources (``{"GPU.0": 1}``). The local
+    engine gets no ``Where``: it runs everything here.
+    """
+
+    name: str  # the backend's name: the engine's label for the process
+    node: str
+    host: str
+    resources: Mapping[str, float] = field(default_factory=dict)
+    node_name: str = ""  # short and unique, for people and /api/models
+
+
 class Spawner(Protocol):
-    """Starts processes. ``on_line`` receives every line of merged stdout/stderr."""
+    """Starts processes. ``on_line`` receives every line of merged stdout/stderr.
+
+    An engine with nodes (:mod:`procman.rayengine`) also takes ``where=`` (procman passes it
+    only to such an engine) and has the environment of its node, not the router's: ``env``
+    then holds only the backend's own variables.
+    """
 
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback

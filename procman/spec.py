@@ -15,7 +15,7 @@ from typing import Literal
 from procman.machine import Policy
 from procman.policy import RestartPolicy
 
-__all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenEnv", "substitute"]
+__all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenAmounts", "FrozenEnv", "substitute"]
 
 #: Tokens replaced in argv and env values at spawn time.
 PLACEHOLDERS = ("${PORT}", "${SOCKET}", "${HOST}")
@@ -57,6 +57,36 @@ class FrozenEnv(Mapping[str, str]):
         return f"FrozenEnv({dict(self._items)!r})"
 
 
+class FrozenAmounts(Mapping[str, float]):
+    """An immutable, hashable str -> number mapping (the resources a backend needs of a node)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, float] | None = None) -> None:
+        for key, value in (items or {}).items():
+            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"resources: expected names with amounts >= 0, got {key!r}: {value!r}")
+        self._items: tuple[tuple[str, float], ...] = tuple(sorted((k, float(v)) for k, v in (items or {}).items()))
+
+    def __getitem__(self, key: str) -> float:
+        return dict(self._items)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"FrozenAmounts({dict(self._items)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
     """One supervised backend. ``argv`` None means a remote ``url`` that is never spawned."""
@@ -79,12 +109,17 @@ class BackendSpec:
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     #: a process that exits non-zero with one of these in its last lines failed fatally, not just crashed
     fatal_patterns: tuple[str, ...] = ()
+    #: an engine with nodes: what the process needs of a node's advertised resources ({"GPU.0": 1})
+    resources: Mapping[str, float] = field(default_factory=lambda: FrozenAmounts())
+    #: an engine with nodes: the node (id, id prefix, name or IP) it must run on; None = any that fits
+    node: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", FrozenEnv(self.env))
         if self.argv is not None:
             object.__setattr__(self, "argv", tuple(self.argv))
         object.__setattr__(self, "fatal_patterns", tuple(self.fatal_patterns))
+        object.__setattr__(self, "resources", FrozenAmounts(self.resources))
         for problem in self._problems():
             raise ValueError(f"backend {self.name!r}: {problem}")
 
@@ -117,7 +152,7 @@ class BackendSpec:
     @property
     def process_view(self) -> tuple[object, ...]:
         """What the process sees: two specs with equal views can share a process (the rest is retuned)."""
-        return (self.argv, self.env, self.cwd, self.url, self.transport)
+        return (self.argv, self.env, self.cwd, self.url, self.transport, self.resources, self.node)
 
     @property
     def tuning(self) -> Policy:

@@ -23,13 +23,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from modelserver.spec import PER_MODEL_KEYS, ConfigError, ModelSpec, build_model_spec, format_errors, read_yaml
 from router.budget import parse_budget
 
-__all__ = ["Config", "ConfigError", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
+__all__ = ["Config", "ConfigError", "EngineSettings", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
 
 TOP_LEVEL_KEYS = ("router", "defaults", "models", "groups")
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EngineSettings(_Frozen):
+    """``router.engine``: where model processes run. ``local``: children of the router; ``ray``: on a Ray cluster."""
+
+    kind: Literal["local", "ray"] = Field("local", description="local | ray")
+    address: str = Field("auto", description="ray: the cluster to join (auto, or host:port of its head)")
+    namespace: str = Field("ovrouter", min_length=1, description="ray: the namespace of ovrouter's actors")
 
 
 class RouterSettings(_Frozen):
@@ -42,6 +50,9 @@ class RouterSettings(_Frozen):
     state_dir: str = Field(".ovrouter", description="sockets, logs, converted models (relative to the config file)")
     cache_dir: str = Field(".ovrouter/ov-cache", description="OpenVINO CACHE_DIR handed to every model server")
     transport: Literal["uds", "tcp"] = Field("uds", description="how the router reaches model servers: uds | tcp")
+    engine: EngineSettings = Field(
+        default_factory=EngineSettings, description="where model processes run: {kind: local} or {kind: ray, ...}"
+    )
     port_range: tuple[int, int] = Field((20000, 20999), description="TCP ports for model servers (transport tcp)")
     max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")

@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from modelserver.spec import FakeSpec, ModelSpec, audience_of, restarts_process
-from router.config import GroupSpec, RouterSettings
+from modelserver.spec import FakeSpec, ModelSpec, PlacementSpec, audience_of, restarts_process
+from router.config import EngineSettings, GroupSpec, RouterSettings
 
 __all__ = ["BEGIN", "END", "reference"]
 
@@ -50,6 +50,10 @@ def reference() -> str:
         "",
         *_table(RouterSettings, ""),
         "",
+        "### `router.engine` (see [docs/ray.md](docs/ray.md))",
+        "",
+        *_table(EngineSettings, "engine."),
+        "",
         "### `models.<name>` (and `defaults`, merged under every model)",
         "",
         "Keys only a model can have (`path`, `aliases`, `command`, `url`, `preload`, `group`) are refused in "
@@ -62,6 +66,10 @@ def reference() -> str:
         "### `models.<name>.fake` (engine `fake`)",
         "",
         *_table(FakeSpec, "fake."),
+        "",
+        "### `models.<name>.placement` (engine `ray`)",
+        "",
+        *_table(PlacementSpec, "placement."),
         "",
         "### `groups.<name>`",
         "",

@@ -32,17 +32,17 @@ def _modelserver_argv(spec: ModelSpec, router: RouterSettings, config_path: Path
     argv = [sys.executable, "-m", "modelserver", "--model", spec.name]
     if config_path is not None:
         argv += ["--config", str(config_path)]
-    if router.transport == "uds":
+    if _transport(spec, router) == "uds":
         argv += ["--uds", "${SOCKET}"]
     else:
-        argv += ["--host", "127.0.0.1", "--port", "${PORT}"]
+        argv += ["--host", "${HOST}", "--port", "${PORT}"]  # ${HOST}: 127.0.0.1, or the address of its node
     return tuple(argv)
 
 
 def _transport(spec: ModelSpec, router: RouterSettings) -> str:
     if spec.command is not None:
         return "uds" if any("${SOCKET}" in part for part in spec.command) else "tcp"
-    if spec.url is not None:
+    if spec.url is not None or router.engine.kind == "ray":  # a process on a node is reached over TCP
         return "tcp"
     return router.transport
 
@@ -64,5 +64,7 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
         url=spec.url,
         transport=_transport(spec, router),  # type: ignore[arg-type]
         fatal_patterns=spec.fatal_patterns,  # an engine setting the supervisor also reads (exit classification)
+        resources=spec.placement.resources,
+        node=spec.placement.node,
         **supervision(spec),
     )

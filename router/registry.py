@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 
 
 
+def _manager(config: Config) -> ProcessManager:
+    """The process manager on the configured engine (local children, or actors on a Ray cluster)."""
+    router = config.router
+    if router.engine.kind == "ray":
+        from procman.rayengine import RaySpawner
+
+        spawner = RaySpawner(router.engine.address, router.engine.namespace)
+        return ProcessManager(Path(router.state_dir), port_range=router.port_range, spawner=spawner,
+                              cluster=spawner.nodes)
+    return ProcessManager(Path(router.state_dir), port_range=router.port_range)
+
+
 @dataclass(slots=True)
 class Model:
     spec: ModelSpec
@@ -42,7 +54,7 @@ class Registry:
         self.config = config
         self.metrics = metrics
         if manager is None:
-            manager = ProcessManager(Path(config.router.state_dir), port_range=config.router.port_range)
+            manager = _manager(config)
         self.manager = manager
         manager.add_listener(self)
         manager.scopes = self.scopes

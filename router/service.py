@@ -158,12 +158,18 @@ class RouterService:
                 row["state"] = "waiting"
             row.update(
                 name=name, task=model.spec.task, engine=model.spec.engine if model.spec.launches_modelserver else None,
-                kind=_kind(model.spec), device=model.spec.device, aliases=list(model.spec.aliases),
+                kind=_kind(model.spec), device=_device(row.get("node"), model.spec.device),
+                aliases=list(model.spec.aliases),
                 group=model.spec.group, queued=model.limiter.queued,
             )
             row.update(self.registry.residency.row(name))
             rows.append(row)
         return rows
+
+
+def _device(node: Any, device: str) -> str:
+    """``CPU``, or ``<node>/CPU`` for a process on a cluster's node (devices are per node there)."""
+    return f"{node}/{device}" if node else device
 
 
 def _kind(spec: Any) -> str:

@@ -72,6 +72,8 @@ class UpstreamPool:
         body: bytes,
         head_timeout_s: float | None,
     ) -> UpstreamReply:
+        if address.token is not None:  # a process on a node requires its own token (the client's was dropped)
+            headers = [*headers, ("authorization", f"Bearer {address.token}")]
         return await self.pool(address).request(method, path, headers, body, head_timeout_s=head_timeout_s)
 
     def pool(self, address: Address) -> ConnectionPool:
