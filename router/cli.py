@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--url", help="router URL (default: from the config)")
     status.add_argument("--key", default=os.environ.get("OVROUTER_API_KEY"), help="admin key (or $OVROUTER_API_KEY)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
+    export = sub.add_parser("export", help="write the config out for another platform")
+    target = export.add_subparsers(dest="target", required=True)
+    k8s = target.add_parser("k8s", help="Kubernetes manifests: per model a Deployment, a Service and a cache claim")
+    k8s.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default: %(default)s)")
+    k8s.add_argument("--image", default="ovrouter:latest", help="container image with ovrouter installed")
+    k8s.add_argument("--namespace", help="put every object in this namespace")
+    k8s.add_argument("--models-claim", default="ovrouter-models",
+                     help="PersistentVolumeClaim holding the model files, mounted at /models (default: %(default)s)")
     return parser
 
 
@@ -106,6 +114,18 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    import yaml
+
+    from router.k8s import manifests
+
+    config = _load(args.config)
+    objects = manifests(config, image=args.image, namespace=args.namespace, models_claim=args.models_claim)
+    print("# ovrouter export k8s: schema-checked manifests (kubernetes-validate), not run by ovrouter's tests")
+    print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     url, key = args.url, args.key
     if url is None or key is None:
@@ -134,7 +154,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"serve": _serve, "check": _check, "status": _status}[args.command]
+    handler = {"serve": _serve, "check": _check, "status": _status, "export": _export}[args.command]
     try:
         code = handler(args)
         sys.stdout.flush()  # here, not at exit, so a closed pipe is caught below
