@@ -344,6 +344,13 @@ class ProcessManager:
             limit = f"{scope.label} allows {scope.limit} loaded model(s)"
             return BackendUnavailable(f"cannot start {name}: {limit} and all are busy ({busy})",
                                       retry_after_s=BUSY_RETRY_AFTER_S)
+        resources = self._backends[name].spec.resources if name in self._backends else {}
+        if self.cluster is not None and resources:
+            wanted = ", ".join(f"{r}: {a:g}" for r, a in resources.items())
+            held = ", ".join(sorted(f"{h.name} on {self._placed[h.name].name}" for h in self.holders()
+                                    if h.name in self._placed and h.name != name))
+            return BackendUnavailable(f"cannot start {name}: no node has {{{wanted}}} free; held by "
+                                      f"{held or 'nothing'} ({spot.wait})", retry_after_s=BUSY_RETRY_AFTER_S)
         claim = self._claim(name)
         device = claim.device or "?"
         figures = self.memory().get(device, {"budget_bytes": 0, "used_bytes": 0})

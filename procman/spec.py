@@ -8,32 +8,30 @@ a running process takes without a restart (``Backend.retune``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from procman.machine import Policy
 from procman.policy import RestartPolicy
 
 __all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenAmounts", "FrozenEnv", "substitute"]
 
+V = TypeVar("V")
+
 #: Tokens replaced in argv and env values at spawn time.
 PLACEHOLDERS = ("${PORT}", "${SOCKET}", "${HOST}")
 
 
-class FrozenEnv(Mapping[str, str]):
-    """An immutable, hashable str -> str mapping (extra environment of a backend)."""
+class _FrozenMap(Mapping[str, V]):
+    """An immutable, hashable mapping of names, kept as sorted pairs (comparable across reloads)."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[str, str] | None = None) -> None:
-        pairs = sorted((items or {}).items())
-        for key, value in pairs:
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"env: keys and values must be strings, got {key!r}: {value!r}")
-        self._items: tuple[tuple[str, str], ...] = tuple(pairs)
+    def __init__(self, pairs: Iterable[tuple[str, V]]) -> None:
+        self._items: tuple[tuple[str, V], ...] = tuple(sorted(pairs))
 
-    def __getitem__(self, key: str) -> str:
+    def __getitem__(self, key: str) -> V:
         for name, value in self._items:
             if name == key:
                 return value
@@ -49,42 +47,36 @@ class FrozenEnv(Mapping[str, str]):
         return hash(self._items)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, FrozenEnv):
+        if isinstance(other, _FrozenMap):
             return self._items == other._items
         return isinstance(other, Mapping) and dict(self._items) == dict(other)
 
     def __repr__(self) -> str:
-        return f"FrozenEnv({dict(self._items)!r})"
+        return f"{type(self).__name__}({dict(self._items)!r})"
 
 
-class FrozenAmounts(Mapping[str, float]):
+class FrozenEnv(_FrozenMap[str]):
+    """An immutable, hashable str -> str mapping (extra environment of a backend)."""
+
+    __slots__ = ()
+
+    def __init__(self, items: Mapping[str, str] | None = None) -> None:
+        for key, value in (items or {}).items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"env: keys and values must be strings, got {key!r}: {value!r}")
+        super().__init__((items or {}).items())
+
+
+class FrozenAmounts(_FrozenMap[float]):
     """An immutable, hashable str -> number mapping (the resources a backend needs of a node)."""
 
-    __slots__ = ("_items",)
+    __slots__ = ()
 
     def __init__(self, items: Mapping[str, float] | None = None) -> None:
         for key, value in (items or {}).items():
             if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"resources: expected names with amounts >= 0, got {key!r}: {value!r}")
-        self._items: tuple[tuple[str, float], ...] = tuple(sorted((k, float(v)) for k, v in (items or {}).items()))
-
-    def __getitem__(self, key: str) -> float:
-        return dict(self._items)[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return (name for name, _ in self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        return hash(self._items)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._items) == dict(other)
-
-    def __repr__(self) -> str:
-        return f"FrozenAmounts({dict(self._items)!r})"
+        super().__init__((key, float(value)) for key, value in (items or {}).items())
 
 
 @dataclass(frozen=True, slots=True)
