@@ -14,6 +14,7 @@ from procman_fakes import Harness, fake_spec, settle
 
 from procman import BackendUnavailable, State
 from procman.placement import Claim
+from procman.room import Scope
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,9 +64,11 @@ async def test_a_young_backend_is_waited_for_not_evicted(h: Harness) -> None:
     waiter = asyncio.ensure_future(d.ensure_ready())
     await settle()
     assert not waiter.done() and c.state is State.READY
+    assert h.manager.room_waits() == {"d": "waiting for memory: needs 300 MiB, 900 MiB of 1 GiB CPU in use by "
+                                           "a (busy), b (busy), c (idle); the idle ones are within min_residency_s"}
     await h.clock.advance(5.0)  # c's residency ends: that moment wakes the start
     await waiter
-    assert c.state is State.STOPPED and d.state is State.READY
+    assert c.state is State.STOPPED and d.state is State.READY and h.manager.room_waits() == {}
     release.set()
     await asyncio.gather(*busy)
 
@@ -113,3 +116,23 @@ async def test_no_rolling_when_the_budget_cannot_hold_both(h: Harness) -> None:
     for backend in (a, b, c):
         await use(backend)
     assert not h.manager.can_roll("a", [])
+
+
+async def test_a_start_waiting_for_a_slot_says_which_limit_and_who_holds_it(h: Harness) -> None:
+    h.manager.budgets = lambda: {}
+    h.manager.scopes = lambda name: (Scope("all models", 1, frozenset("ab")),)
+    a, b = h.add("a"), h.add("b")
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with a.request():
+            await release.wait()
+
+    busy = asyncio.ensure_future(hold())
+    await settle()
+    waiter = asyncio.ensure_future(b.ensure_ready())
+    await settle()
+    assert h.manager.room_waits() == {"b": "waiting for a slot: all models allows 1 loaded model(s), held by a"}
+    release.set()
+    await asyncio.gather(busy, waiter)
+    assert b.state is State.READY and h.manager.room_waits() == {}
