@@ -1,8 +1,9 @@
 """The hostile corpus (tests/hostile_corpus.py) against EVERY route of the router, in-process over the fake
-upstream: each answer is a 4xx JSON error (or a 2xx where the body is valid), nothing is logged with a
-traceback, and the model process the requests name is the same one afterwards.
+upstream, and of the model server for every task on its fake engine: each answer is a 4xx JSON error (or a
+2xx where the body is valid), nothing is logged with a traceback, and the model process the requests name is
+the same one afterwards (for the model server: its runtime is still ready, not failed).
 
-The routes are read from the app, so a route added later is covered without editing this file.
+The routes are read from the apps, so a route added later is covered without editing this file.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from modelserver.app import build_app as modelserver_app
+from modelserver.engines import make_engine
+from modelserver.spec import build_model_spec
 from router.app import build_app
 from router.config import parse_config
 from tests.hostile_corpus import Case, Target, corpus, fault, targets
@@ -89,5 +93,29 @@ async def test_every_route_answers_the_hostile_corpus_with_a_4xx_json_error_or_a
                 faults.append(f"{case.name}: {problem}")
         assert not faults, f"{target!r}:\n" + "\n".join(faults)
         assert router.backend("tiny").pid == tiny_pid and router.backend("tiny").restarts == 0
+    logged = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert not logged, "\n".join(f"{r.name}: {r.getMessage()}" for r in logged)
+
+
+TASKS = ("llm", "embeddings", "rerank", "transcription", "speech", "vlm")
+
+
+@pytest.mark.parametrize("task", TASKS)
+async def test_every_model_server_route_answers_the_hostile_corpus_with_a_4xx_json_error_or_a_2xx(
+        task: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    spec = build_model_spec("tiny", {"engine": "fake", "task": task, "max_request_mb": 1,
+                                     "fake": {"token_delay_s": 0, "load_s": 0}})
+    app = modelserver_app(spec, make_engine(spec))
+    faults = []
+    for target in targets(app, "tiny", "tiny"):
+        for case in corpus("tiny", 2 * MIB):
+            answer = await send(app, target, case)
+            if case.cut and answer.status == 0:
+                continue
+            if (problem := fault(answer.status, answer.headers.get("content-type", ""), answer.body)) is not None:
+                faults.append(f"{target!r} {case.name}: {problem}")
+    assert not faults, "\n".join(faults)
+    assert app.state.runtime.status == "ready"
     logged = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
     assert not logged, "\n".join(f"{r.name}: {r.getMessage()}" for r in logged)

@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from modelserver.errors import FatalEngineError, ModelServerError, SuspectEngineError, classify
+from modelserver.errors import FatalEngineError, ModelServerError, RequestError, SuspectEngineError, classify
 from modelserver.protocol import parse_request
 from modelserver.runtime import SUSPECT_LIMIT, SUSPECT_WINDOW_S, ModelRuntime
 from modelserver.spec import ModelSpec
@@ -77,7 +77,13 @@ def fingerprint(model: ModelSpec) -> str:
 
 
 async def read_body(request: Request, model: type[Model]) -> Model:
-    return parse_request(await request.body(), model)
+    """The body (its size bounded by :class:`modelserver.app.BodyLimit`) parsed within the bounds of
+    :func:`modelserver.protocol.parse_request`: depth, number length, encoding."""
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # nobody will read the answer; a 400, not a logged traceback
+        raise RequestError("the client disconnected before the request body was complete") from None
+    return parse_request(body, model)
 
 
 def note(request: Request, **fields: Any) -> None:
