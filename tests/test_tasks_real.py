@@ -74,6 +74,13 @@ def test_minilm_ranks_by_meaning_through_the_openai_sdk(minilm: ModelServerProce
     assert similar > 0.5 > 0.2 > unrelated  # 0.66 and 0.05 for the real all-MiniLM-L6-v2
 
 
+def test_minilm_refuses_dimensions_it_was_not_trained_for(minilm: ModelServerProcess) -> None:
+    client = openai.OpenAI(base_url=minilm.base_url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="dimensions") as refused:
+        client.embeddings.create(model="minilm", input=CAT, dimensions=128)
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "dimensions"
+
+
 def test_minilm_float_and_base64_agree_and_usage_counts_real_tokens(minilm: ModelServerProcess) -> None:
     with minilm.client() as client:
         floats = client.post("/v1/embeddings", json={"input": [CAT, "hi"], "encoding_format": "float"}).json()

@@ -3,7 +3,9 @@
 ``base64`` is little-endian float32, which is what the official SDK asks for by default. An
 input above the encoder's maximum is a 400 ``context_length_exceeded`` (as OpenAI answers it),
 unless the request sends ``truncate: true`` (as TEI and Cohere accept): then its first tokens
-are embedded.
+are embedded. ``dimensions`` shortens each vector to its first N numbers (renormalized when the
+model normalizes) on a model trained for it (``matryoshka``, :func:`shorten`); any other model
+answers 400 naming ``dimensions``, since a cut vector of such a model is not an embedding.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.engines.base import Embedder
-from modelserver.errors import UnsupportedParameter
+from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.protocol import EmbeddingRequest
 
-__all__ = ["encode_vector", "routes"]
+__all__ = ["encode_vector", "routes", "shorten"]
 
 
 def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] | str:
@@ -40,11 +42,29 @@ def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] 
     return [float(x) for x in vector]
 
 
+def shorten(vectors: Sequence[Sequence[float]], dimensions: int | None, embedder: Embedder) -> list[Sequence[float]]:
+    """``vectors`` cut to their first ``dimensions`` numbers (None: as they are); 400 on a model not trained for it."""
+    if dimensions is None:
+        return list(vectors)
+    if not embedder.matryoshka:
+        raise UnsupportedParameter(
+            "dimensions: this model was not trained to give shorter vectors (Matryoshka); omit dimensions, "
+            "or set options.matryoshka: true in its config if it was", param="dimensions")
+    size = len(vectors[0]) if vectors else dimensions
+    if dimensions > size:
+        raise RequestError(f"dimensions: this model's vectors have {size} numbers; ask for at most {size}, "
+                           f"got {dimensions}", param="dimensions")
+    cut = np.asarray(vectors, dtype=np.float64)[:, :dimensions]
+    if embedder.normalizes:
+        cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return [row.tolist() for row in cut]
+
+
 async def embeddings(request: Request) -> Response:
     body = await read_body(request, EmbeddingRequest)
-    if body.dimensions is not None:
-        raise UnsupportedParameter("dimensions: choosing the vector size is not supported", param="dimensions")
     embedder = engine_as(request, Embedder)
+    if body.dimensions is not None and not embedder.matryoshka:  # before the work: refused whatever the input
+        shorten([], body.dimensions, embedder)
     texts = body.texts()
     try:
         with engine_errors(runtime(request)):
@@ -55,7 +75,7 @@ async def embeddings(request: Request) -> Response:
     note(request, inputs=len(texts), prompt_tokens=result.prompt_tokens)
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": i, "embedding": encode_vector(vector, body.encoding_format)}
-        for i, vector in enumerate(result.vectors)
+        for i, vector in enumerate(shorten(result.vectors, body.dimensions, embedder))
     ]
     counts = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return JSONResponse({"object": "list", "data": data, "model": spec(request).name, "usage": counts})

@@ -169,7 +169,14 @@ class EmbeddingResult:
 
 @runtime_checkable
 class Embedder(Engine, Protocol):
-    """Task ``embeddings``: one vector per input text, in input order."""
+    """Task ``embeddings``: one vector per input text, in input order.
+
+    ``matryoshka``: a prefix of each vector is itself an embedding (requests may send ``dimensions``);
+    ``normalizes``: vectors are L2-normalized (so is a shortened one).
+    """
+
+    matryoshka: bool
+    normalizes: bool
 
     async def embed(self, texts: Sequence[str], truncate: bool = False) -> EmbeddingResult:
         """Vectors of ``texts``; a 400 for a text above the encoder's maximum unless ``truncate``."""

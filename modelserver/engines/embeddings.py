@@ -13,10 +13,11 @@ mask, capped at ``max_length``).
 ``truncate: true``), ``pad_to_max_length``, ``padding_side``, ``batch_size``,
 ``query_instruction`` and ``embed_instruction`` (prefixes the model was trained with; the
 OpenAI API has no query/document distinction, so inputs are embedded as documents),
-``batch_wait_ms`` (default 2) and ``max_batch`` (inputs per pipeline call, default 32).
-``pooling``, ``normalize`` and ``max_length`` default to what the folder's
-sentence-transformers files declare (:mod:`modelserver.engines.st_metadata`), else cls,
-true and none; an explicit option wins.
+``batch_wait_ms`` (default 2) and ``max_batch`` (inputs per pipeline call, default 32),
+``matryoshka`` (the model was trained so that a prefix of each vector is an embedding:
+requests may then send ``dimensions``). ``pooling``, ``normalize``, ``max_length`` and
+``matryoshka`` default to what the folder's sentence-transformers files declare
+(:mod:`modelserver.engines.st_metadata`), else cls, true, none and false; an explicit option wins.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ OPTIONS: dict[str, type | tuple[type, ...]] = {
     "embed_instruction": str,
     "batch_wait_ms": float,
     "max_batch": int,
+    "matryoshka": bool,
 }
 BATCHING = ("batch_wait_ms", "max_batch")
+#: Options this module reads itself: never set on the pipeline's config.
+NOT_PIPELINE = (*BATCHING, "matryoshka")
 POOLING = {"cls": "CLS", "mean": "MEAN", "last_token": "LAST_TOKEN"}
 
 #: One input's answer inside a batch: its vector and its token count.
@@ -77,7 +81,7 @@ def batch_options(spec: ModelSpec, options: dict[str, Any]) -> BatchOptions:
 def pipeline_config(spec: ModelSpec, declared: dict[str, Any] | None = None) -> Any:
     """``options`` over ``declared`` as a ``TextEmbeddingPipeline.Config``; :class:`LoadError` naming a bad value."""
     options = {**(declared or {}), **task_options(spec, OPTIONS)}
-    for key in BATCHING:
+    for key in NOT_PIPELINE:
         options.pop(key, None)
     pooling = str(options.pop("pooling", "cls")).lower()
     if pooling not in POOLING:
@@ -97,8 +101,10 @@ class OpenVINOEmbedder:
     """A loaded TextEmbeddingPipeline behind the :class:`~modelserver.engines.base.Embedder` protocol."""
 
     def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, config: Any, load_s: float,
-                 batching: BatchOptions | None = None) -> None:
+                 batching: BatchOptions | None = None, matryoshka: bool = False) -> None:
         self._spec = spec
+        self.matryoshka = matryoshka
+        self.normalizes = bool(config.normalize)
         self._pipe = pipe
         self._tokenizer = tokenizer
         self._config = config
@@ -113,6 +119,7 @@ class OpenVINOEmbedder:
             "device": self._spec.device,
             "pooling": self._config.pooling_type.name.lower(),
             "normalize": self._config.normalize,
+            "matryoshka": self.matryoshka,
             "max_length": self._config.max_length,
             "batch_wait_ms": self._batching.wait_ms,
             "max_batch": self._batching.max_batch,
@@ -174,4 +181,5 @@ def load(spec: ModelSpec) -> OpenVINOEmbedder:
         tokenizer = ov_genai.Tokenizer(str(path))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOEmbedder(spec, pipe, tokenizer, config, time.monotonic() - started, batching)
+    matryoshka = bool({**declared, **spec.options}.get("matryoshka", False))
+    return OpenVINOEmbedder(spec, pipe, tokenizer, config, time.monotonic() - started, batching, matryoshka)

@@ -334,6 +334,8 @@ class FakeEmbedder:
     def __init__(self, spec: ModelSpec) -> None:
         self._spec = spec
         self._counters = _Counters()
+        self.matryoshka = bool(spec.options.get("matryoshka", False))
+        self.normalizes = True  # fake vectors are unit vectors
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "fake", "task": self._spec.task, "dims": self._spec.fake.dims}

@@ -3,8 +3,11 @@
 sentence-transformers saves its pipeline beside the weights: ``modules.json`` lists the
 modules in order (``...models.Pooling`` with its ``path``, e.g. ``1_Pooling``, whose
 ``config.json`` sets one ``pooling_mode_*`` flag; ``...models.Normalize`` when vectors are
-L2-normalized), and ``sentence_bert_config.json`` holds ``max_seq_length``. An exported
-OpenVINO folder keeps these files when the export copies them (``make test-models`` does).
+L2-normalized), and ``sentence_bert_config.json`` holds ``max_seq_length``. The model card
+it writes (``README.md``) tags the losses a model was trained with; a ``loss:Matryoshka...``
+tag (MatryoshkaLoss, Matryoshka2dLoss) declares ``matryoshka: true`` (a prefix of each vector
+is itself an embedding, so ``dimensions`` may shorten it). An exported OpenVINO folder keeps
+these files when the export copies them (``make test-models`` does).
 
 :func:`declared_options` turns them into embeddings ``options``; the model's own options
 win key by key. A pooling mode the pipeline cannot do (max, mean_sqrt_len, weightedmean) is
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from modelserver.errors import LoadError
 
@@ -54,7 +59,25 @@ def declared_options(folder: Path, explicit: dict[str, Any]) -> dict[str, Any]:
     bert = _read(folder / "sentence_bert_config.json")
     if isinstance(bert, dict) and isinstance(bert.get("max_seq_length"), int):
         declared["max_length"] = bert["max_seq_length"]
+    if _trained_matryoshka(folder / "README.md"):
+        declared["matryoshka"] = True
     return declared
+
+
+def _trained_matryoshka(card: Path) -> bool:
+    """Whether the model card's front matter tags a Matryoshka loss (``loss:MatryoshkaLoss``)."""
+    try:
+        text = card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not text.startswith("---"):
+        return False
+    try:
+        front = yaml.safe_load(text[3:].split("\n---", 1)[0])
+    except yaml.YAMLError:
+        return False
+    tags = front.get("tags") if isinstance(front, dict) else None
+    return isinstance(tags, list) and any(str(tag).lower().startswith("loss:matryoshka") for tag in tags)
 
 
 def _pooling(config_path: Path) -> str:
