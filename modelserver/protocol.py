@@ -31,7 +31,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -44,10 +44,12 @@ __all__ = [
     "ChatMessage",
     "ChatShape",
     "CompletionRequest",
+    "DetokenizeBody",
     "MAX_JSON_DEPTH",
     "SEED_RANGE",
     "EmbeddingRequest",
     "TextShape",
+    "TokenizeBody",
     "parse_request",
     "usage",
 ]
@@ -309,6 +311,28 @@ TOKEN_ARRAYS = (
     "token-id arrays are not supported: send the text (this model's tokenizer is not the client's; "
     "with LangChain, OpenAIEmbeddings(..., check_embedding_ctx_length=False) sends text)"
 )
+
+
+class TokenizeBody(_Request):
+    """``/tokenize``: llama.cpp's ``content`` or vLLM's ``prompt`` / ``messages`` (modelserver/api/tokenize.py)."""
+
+    model: str | None = None
+    content: str | None = None  # llama.cpp
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    prompt: str | None = None  # vLLM
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]]
 
 
 def _token_ids(value: Any) -> bool:

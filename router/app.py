@@ -34,7 +34,7 @@ __all__ = ["build_app"]
 
 log = logging.getLogger(__name__)
 
-#: OpenAI-style routes, each proxied to the model its body names.
+#: OpenAI-style routes (and llama.cpp's and vLLM's /tokenize, /detokenize), each proxied to the model its body names.
 OPENAI_ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -43,6 +43,8 @@ OPENAI_ROUTES = (
     "/v1/audio/speech",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    "/tokenize",
+    "/detokenize",
 )
 
 

@@ -145,8 +145,9 @@ def json_or_none(body: bytes) -> Any:
         return None
 
 
-def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody:
-    """The ``model`` of a JSON body or of a multipart form; 400 naming what is wrong otherwise."""
+def model_of(body: bytes, content_type: str, known: Iterable[str], implied: str | None = None) -> RoutedBody:
+    """The ``model`` of a JSON body or of a multipart form (``implied`` when a JSON body names none);
+    400 naming what is wrong otherwise."""
     mime, params = parse_options_header(content_type)
     if mime == b"multipart/form-data":
         return RoutedBody(_form_model(body, params.get(b"boundary"), known), stream=False)
@@ -157,6 +158,8 @@ def model_of(body: bytes, content_type: str, known: Iterable[str]) -> RoutedBody
     if model is not None and not isinstance(model, str):
         names = ", ".join(sorted(known))
         raise BadRequest(f"`model` must be a string, got {json.dumps(model)[:80]}: name one of {names}", param="model")
+    if not model and implied is not None and "model" not in data:
+        model = implied
     if not model:
         raise BadRequest(_missing_model(known), param="model")
     return RoutedBody(model, stream=data.get("stream") is True)

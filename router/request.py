@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from starlette.types import Receive, Scope
 
+from procman import State
 from router.body import model_of, read_body, too_large
 from router.errors import BadRequest, ModelNotFound
 from router.registry import Model, Registry
 
-__all__ = ["HOP_BY_HOP", "ProxyRequest", "body_charge", "client_of", "header", "proxied", "raw", "unknown_model",
-           "upstream_headers"]
+__all__ = ["HOP_BY_HOP", "MODEL_OPTIONAL", "ProxyRequest", "body_charge", "client_of", "header", "implied_model",
+           "proxied", "raw", "unknown_model", "upstream_headers"]
 
 HOP_BY_HOP = frozenset(
     {
@@ -47,7 +48,12 @@ ENDPOINT_TASKS: dict[str, tuple[str, ...]] = {
     "/v1/audio/speech": ("speech",),
     "/v1/audio/transcriptions": ("transcription",),
     "/v1/audio/translations": ("transcription",),
+    "/tokenize": ("llm", "vlm"),
+    "/detokenize": ("llm", "vlm"),
 }
+#: Routes whose JSON body may leave out ``model``: llama.cpp's server serves one model, so its clients
+#: (SillyTavern's token counter, for one) send none. See :func:`implied_model`.
+MODEL_OPTIONAL = frozenset({"/tokenize", "/detokenize"})
 #: Request headers the router owns: the client's key is for the router, not the backend.
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
 
@@ -115,10 +121,21 @@ def _query(scope: Scope) -> str:
     return ("?" + scope["query_string"].decode("latin-1")) if scope["query_string"] else ""
 
 
+def implied_model(registry: Registry, tasks: tuple[str, ...]) -> str | None:
+    """The model a body without ``model`` goes to: the only one configured for ``tasks``, else the only one
+    of them loaded; None (the body must name one) when that is not one model — token ids differ between
+    models, so a guess would give wrong counts without a word."""
+    candidates = [m for m in registry.models.values() if m.spec.task in tasks]
+    if len(candidates) > 1:
+        candidates = [m for m in candidates if m.backend.state is State.READY]
+    return candidates[0].spec.name if len(candidates) == 1 else None
+
+
 async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
     """An OpenAI route: the body names the model; a stream is never retried."""
     body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
-    routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models)
+    implied = implied_model(registry, ENDPOINT_TASKS[scope["path"]]) if scope["path"] in MODEL_OPTIONAL else None
+    routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models, implied)
     model = registry.resolve(routed.model)
     if model is None:
         raise unknown_model(routed.model, registry.models)

@@ -61,6 +61,7 @@ import numpy as np
 
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
 from modelserver.engines.context import check_inputs, fit_context
+from modelserver.engines.tokens import check_ids
 from modelserver.errors import LoadError
 from modelserver.spec import ModelSpec
 from modelserver.structured import Grammar, TagSpec, ToolGrammar, tool_call_grammar
@@ -284,10 +285,35 @@ def structured_answer(request: GenerationRequest, parser: str) -> str | None:
     return None
 
 
+class FakeTokens:
+    """Words as tokens: id 0 is ``<s>`` (``add_special``), the others are given in order of first sight."""
+
+    def __init__(self) -> None:
+        self._words = ["<s>"]
+        self._ids = {"<s>": 0}
+
+    def encode(self, text: str, add_special: bool) -> list[int]:
+        return [0] * add_special + [self._id(word) for word in text.split()]
+
+    def _id(self, word: str) -> int:
+        if word not in self._ids:
+            self._ids[word] = len(self._words)
+            self._words.append(word)
+        return self._ids[word]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        check_ids(ids, len(self._words))
+        return " ".join(self._words[i] for i in ids)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self._words[i] for i in ids]
+
+
 class FakeTextGenerator:
     def __init__(self, spec: ModelSpec) -> None:
         self._spec = spec
         self._counters = _Counters()
+        self.tokens = FakeTokens()
         self.tool_parser = spec.tool_parser or "hermes"
         self.reports_logprobs = True
         self.context_length: int | None = spec.options.get("context_length")
@@ -305,6 +331,10 @@ class FakeTextGenerator:
         """The fake's prompt size: the words of every message (or of the prompt)."""
         text = request.last_user_text()
         return sum(len(turn.content.split()) for turn in request.messages or ()) or len(text.split())
+
+    def chat_prompt(self, request: GenerationRequest, add_generation_prompt: bool = True) -> str:
+        turns = [f"{turn.role}: {turn.content}" for turn in request.messages or ()]
+        return "\n".join(turns + ["assistant:"] * add_generation_prompt)
 
     def generate(self, request: GenerationRequest) -> FakeStream:
         text = request.last_user_text()

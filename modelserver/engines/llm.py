@@ -36,6 +36,7 @@ from modelserver.engines.ov_options import (
     scheduler_config,
 )
 from modelserver.engines.task_options import task_options
+from modelserver.engines.tokens import TokenizerIds
 from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.modelfiles import context_length
 from modelserver.prefixcache import PrefixTracker, block_size_for, scheduler_defaults
@@ -44,7 +45,7 @@ from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer
 from modelserver.tools import detect_parser, mistral_call_ids, plain_history, template_takes_tools
 
-__all__ = ["OpenVINOTextGenerator", "Pump", "load"]
+__all__ = ["OpenVINOTextGenerator", "Pump", "load", "render_chat"]
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +287,7 @@ class OpenVINOTextGenerator:
         scheduler = scheduler_defaults(spec.task, spec.device, spec.scheduler)
         self._prefix = PrefixTracker(block_size_for(spec.device), bool(scheduler.get("enable_prefix_caching")))
         self.context_length = self._counter.context_length
+        self.tokens = TokenizerIds(self._tokenizer, self._counter.cap)
         self._pump = Pump(pipe)
         self._pump.start()
 
@@ -344,17 +346,24 @@ class OpenVINOTextGenerator:
         """The prompt text, and whether the tokenizer adds its special tokens (a raw completion's BOS)."""
         if request.messages is None:
             return request.prompt or "", True
-        history, tools = chat_history(request, self._template_tools, self.tool_parser)
-        try:
-            if request.continue_final:
-                prompt = continued_prompt(self._tokenizer.apply_chat_template, history, tools)
-            else:
-                prompt = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
-        except RequestError:
-            raise
-        except Exception as exc:
-            raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
-        return str(prompt), False
+        return self.chat_prompt(request), False
+
+    def chat_prompt(self, request: GenerationRequest, add_generation_prompt: bool = True) -> str:
+        """A chat's messages (and tools) through the model's chat template: the text the model reads."""
+        return render_chat(self._tokenizer, request, self._template_tools, self.tool_parser, add_generation_prompt)
+
+
+def render_chat(tokenizer: Any, request: Any, template_tools: bool, parser: str, add_generation_prompt: bool) -> str:
+    """The chat template applied to ``request``'s messages; 400 when the template rejects them (LLM and VLM)."""
+    history, tools = chat_history(request, template_tools, parser)
+    try:
+        if getattr(request, "continue_final", False):
+            return continued_prompt(tokenizer.apply_chat_template, history, tools)
+        return str(tokenizer.apply_chat_template(history, add_generation_prompt=add_generation_prompt, tools=tools))
+    except RequestError:
+        raise
+    except Exception as exc:
+        raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
 
 
 def request_text(request: Any) -> str:

@@ -23,11 +23,12 @@ import openvino_genai as ov_genai
 
 from modelserver.engines.base import FinishReason, GenerationRequest
 from modelserver.engines.context import PromptCounter, configured_context
-from modelserver.engines.llm import OPTIONS, chat_history, generation_config, request_text
+from modelserver.engines.llm import OPTIONS, chat_history, generation_config, render_chat, request_text
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
-from modelserver.errors import LoadError, RequestError
+from modelserver.engines.tokens import TokenizerIds
+from modelserver.errors import LoadError
 from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 from modelserver.tools import detect_parser, template_takes_tools
@@ -85,6 +86,7 @@ class OpenVINOVisionGenerator:
         self._tokenizer = pipe.get_tokenizer()
         self._counter = PromptCounter(self._tokenizer, context)
         self.context_length = self._counter.context_length
+        self.tokens = TokenizerIds(self._tokenizer, self._counter.cap)
         template = self._tokenizer.chat_template
         self._template_tools = template_takes_tools(template)
         self.tool_parser = spec.tool_parser or detect_parser(template)
@@ -109,6 +111,10 @@ class OpenVINOVisionGenerator:
     def close(self) -> None:
         self._worker.close()
 
+    def chat_prompt(self, request: Any, add_generation_prompt: bool = True) -> str:
+        """A chat's messages (and tools) through the model's chat template (each image's tag as text)."""
+        return render_chat(self._tokenizer, request, self._template_tools, self.tool_parser, add_generation_prompt)
+
     def generate(self, request: VisionRequest | GenerationRequest) -> VisionStream:
         """A chat (with images) or, for ``/v1/completions``, a raw prompt without the chat template.
 
@@ -120,11 +126,8 @@ class OpenVINOVisionGenerator:
         self._counter.refuse_huge(request_text(request), request.sampling, param)
         if prompt is None:
             history, tools = chat_history(request, self._template_tools, self.tool_parser)
-            try:
-                text = self._tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
-            except Exception as exc:
-                raise RequestError(f"the model's chat template rejected these messages: {one_line(exc)}") from None
-            _, _, max_new = self._counter.fit(str(text), False, request.sampling, "messages")
+            text = self.chat_prompt(request)
+            _, _, max_new = self._counter.fit(text, False, request.sampling, "messages")
             prompt = ov_genai.ChatHistory(history)
             if tools:
                 prompt.set_tools(tools)
