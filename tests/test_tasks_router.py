@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import soundfile
 from router_helpers import running_router, write_config
-from tasks_helpers import assert_error, audio_file, image_data_url
+from tasks_helpers import assert_error, audio_file, image_data_url, speech_file
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -90,3 +91,40 @@ async def test_minilm_semantic_order_through_the_router(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
     vectors = np.array([item["embedding"] for item in response.json()["data"]])
     assert float(vectors[0] @ vectors[1]) > 0.5 > 0.2 > float(vectors[0] @ vectors[2])
+
+
+#: The SDK marks ``audio.translations.create`` deprecated (OpenAI retires its endpoint in 2027); the route stays here.
+SDK_DEPRECATION = pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")
+
+
+@SDK_DEPRECATION
+async def test_translations_through_the_sdk(tmp_path: Path) -> None:
+    async with running_router(write_config(tmp_path, FAKES)) as router:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        plain = await client.audio.translations.create(model="ears", file=("a.wav", audio_file("wav", 2.0)))
+        assert plain.text == "fake transcription of 2.00 seconds of audio"
+        verbose = await client.audio.translations.create(model="ears", file=("a.flac", audio_file("flac", 2.0)),
+                                                         response_format="verbose_json")
+        assert verbose.duration == pytest.approx(2.0) and (verbose.model_extra or {})["task"] == "translate"
+        text = await client.audio.translations.create(model="ears", file=("a.mp3", audio_file("mp3", 1.0)),
+                                                      response_format="text")
+        assert isinstance(text, str) and text.startswith("fake transcription of")
+        with pytest.raises(openai.BadRequestError, match="has task speech"):
+            await client.audio.translations.create(model="voice", file=("a.wav", audio_file("wav", 1.0)))
+        await client.close()
+
+
+@SDK_DEPRECATION
+@pytest.mark.real_model
+async def test_whisper_english_only_refuses_to_translate_through_the_sdk(tmp_path: Path) -> None:
+    if not (MODELS / "whisper-tiny-en-ov" / ".built").exists():
+        pytest.fail("models/whisper-tiny-en-ov is missing: run `make test-models` (make test does it)")
+    whisper = {"task": "transcription", "path": str(MODELS / "whisper-tiny-en-ov"), "options": {"max_new_tokens": 48}}
+    async with running_router(write_config(tmp_path, {"whisper": whisper})) as router:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=180)
+        with pytest.raises(openai.BadRequestError, match="English-only: it cannot translate") as refused:
+            await client.audio.translations.create(model="whisper", file=("s.flac", speech_file("flac")))
+        assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "model"
+        heard = await client.audio.transcriptions.create(model="whisper", file=("s.flac", speech_file("flac")))
+        assert "bananas" in heard.text.lower(), "the same process keeps transcribing"
+        await client.close()
