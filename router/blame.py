@@ -11,10 +11,15 @@ is a request that already had its second chance and took a second process down w
 alone. A second death shared with other requests blames none of them (a poison neighbour
 retried beside them is as likely): each gets an ordinary 502 and is not sent a third time.
 
-A hang (no health answer) costs no retry to a non-streamed request: a request that hangs
-a process would hang the fresh one too, and the clients of the hung process are answered
-as soon as the hang is detected. A stream that was already receiving tokens when its
-process hung is resumed (the request ran; the device stopped). Pure: no I/O.
+*Suspects* (:func:`suspect`): the requests of a death shared by several, not caused from
+outside. One of them may be the poison, so their second tries run one at a time (the
+router's suspect lane, :mod:`router.recovery`): an innocent one is served, and the poison
+one takes down at most itself and whatever ordinary request happened to run beside it
+(whose own first death makes it a suspect in turn). This holds for a hang too: a hang
+shared by several requests retries each of them (a non-streamed one included), one at a
+time, where a hang alone names the request at once (it would hang the fresh process too).
+A stream that was already receiving tokens when its process hung is resumed (the request
+ran; the device stopped). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Literal
 
 from procman.process import EXTERNAL_SIGNALS
 
-__all__ = ["EXTERNAL_SIGNALS", "Cause", "Death", "Verdict", "external", "innocent", "verdict"]
+__all__ = ["EXTERNAL_SIGNALS", "Cause", "Death", "Verdict", "external", "innocent", "suspect", "verdict"]
 
 Cause = Literal["crash", "fatal", "hang", "stall"]
 Verdict = Literal["again", "fail", "blame"]
@@ -60,6 +65,10 @@ def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
         return "again"  # tokens were flowing when it hung: the device, not the request
     if not innocent(death):
         return "blame"
-    if death.cause == "hang":
-        return "fail"
-    return "again"
+    return "again"  # a hang too, when shared: the retries of suspects run one at a time
+
+
+def suspect(death: Death) -> bool:
+    """The request shared this death with others and no outside signal caused it: a neighbour may be the
+    poison, so its next try runs in the suspect lane, one at a time."""
+    return death.in_flight > 1 and not external(death)

@@ -13,6 +13,28 @@ request's own bounds (the backend parks it while it restarts).
 
 A stream is resumable when :func:`router.resume.plan` says so; everything else takes the
 plain path of :func:`router.relay.relay`, chunk by chunk, unchanged.
+
+**Suspects run one at a time.** The requests of a death shared by several (:func:`router.blame.suspect`)
+take their second try through the model's *suspect lane* (``Model.suspects``), one at a time, so a
+poison request among them takes no other suspect down with it and the innocent ones are served.
+Ordinary requests never wait for the lane. The lane is taken before the lease and given back when
+the attempt ends, or after :func:`_lane_hold_s` (the time a poison request needs to show itself: a
+crash at once, a hang once the probes give up) — a suspect whose client reads slowly holds it no longer.
+
+**Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56): it made every request of
+the model wait at a gate while a suspect waited or ran, and a suspect wait for the requests running
+before it — and a request awaited its process's restart (``await backend.restart(...)``, after a fatal
+event or a stall) *inside* its lease and its turn at the gate. procman answers a restart command only
+when the backend is settled and not draining (``Backend._settling``), and a drain (an unload, a reload
+of a changed model, the retiring process of a rolling change) waits for every lease to end. So once a
+drain began while a request awaited its restart, the drain waited for the request's lease, the restart's
+answer waited for the drain, and the gate held every other request of the model behind both: the
+model stopped for ``drain_timeout_s`` (300 s by default), which the chaos soak saw as a deadlock. The
+cycle existed without the gate too (one request held for ``drain_timeout_s``); the gate made it stop
+the whole model. Now nothing awaits a command while holding a lease: the restart is queued (procman
+takes it in before any later request, so the next attempt lands on the fresh process) and the next
+attempt's own lease waits for readiness; suspects wait for each other only, holding no lease, and
+ordinary requests wait for nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,7 +51,7 @@ from starlette.types import Send
 
 from procman import Backend, BackendUnavailable, Lease
 from procman.process import exit_words
-from router.blame import Cause, Death, external, verdict
+from router.blame import Cause, Death, external, suspect, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
@@ -59,6 +83,7 @@ class Job:
     send: Send
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
+    suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
     backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
@@ -88,9 +113,10 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
     async with model.limiter:
         while True:
             try:
-                job.backend = model.backend
-                async with job.backend.request() as lease:
-                    result = await _attempt(job, lease)
+                async with _lane(job):
+                    job.backend = model.backend
+                    async with job.backend.request() as lease:
+                        result = await _attempt(job, lease)
             except BackendUnavailable as exc:
                 if job.backend is not model.backend:
                     continue  # a rolling change replaced (closed) it while this request waited: the new one
@@ -196,17 +222,17 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
             return await _fail(job, BadGateway(await _alive_words(job, lease)))
         death = _death_of(backend, lease, in_flight)
     job.deaths.append(lease.generation)
+    if restart is not None:  # queued now: the next attempt lands on the fresh process; never awaited
+        _background(restart)  # inside a lease (a drain would wait for the lease, the answer for the drain)
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
     if choice == "again" and job.tries < job.budget() and _prepare_again(job):
         job.tries += 1
-        log.warning("%s: the process died under a request (%s, %s: %s); %s on a fresh process", job.name,
+        job.suspect = suspect(death)
+        log.warning("%s: the process died under a request (%s, %s: %s); %s on a fresh process%s", job.name,
                     death.cause, exit_words(death.code), detail,
-                    "resuming the stream" if job.head_sent else "retrying once")
-        if restart is not None:
-            await restart  # the next attempt must land on the fresh process
+                    "resuming the stream" if job.head_sent else "retrying once",
+                    ", one suspect at a time" if job.suspect else "")
         return None
-    if restart is not None:
-        _background(restart)
     if choice == "blame" or (job.tries and not external(death)):  # a second death: a suspect's (maybe a
         backend.forgive(job.deaths)  # neighbour's) doing, not the model's: no failure toward the backoff
     if choice == "blame":
@@ -218,6 +244,39 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
             f"model {job.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
             retry_after_s=2.0))
     return await _fail(job, BadGateway(_death_message(job, death)))
+
+
+@asynccontextmanager
+async def _lane(job: Job) -> AsyncIterator[None]:
+    """A suspect's turn in the model's suspect lane (others' suspects wait; ordinary requests pass)."""
+    if not job.suspect:
+        yield
+        return
+    lane = job.model.suspects
+    await lane.acquire()
+    held = True
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
+            lane.release()
+
+    timer = asyncio.get_running_loop().call_later(_lane_hold_s(job), release)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        release()
+
+
+def _lane_hold_s(job: Job) -> float:
+    """How long a suspect keeps the lane at most: time for a poison request to show (a crash at once, a hang
+    once the probes give up, a stall once the stall watch fires), then the next suspect goes."""
+    spec = job.model.spec
+    probes = spec.health_interval_s * spec.health_failures + spec.health_timeout_s if spec.health_interval_s else 0.0
+    stall = spec.stall_timeout_s if job.head_sent else 0.0
+    return min(max(probes, stall, 5.0) + 5.0, 120.0)
 
 
 def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:

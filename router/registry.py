@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class Model:
     spec: ModelSpec
     backend: Backend
     limiter: Limiter
+    #: The suspect lane: the retries of requests caught together in a death run one at a time
+    #: (router.recovery; acquired outside any lease, never while holding one).
+    suspects: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class Registry:

@@ -344,7 +344,9 @@ class FakeTextGenerator:
         max_tokens = fit_context(prompt_words, request.sampling, self.context_length, param)
         answer = structured_answer(request, self.tool_parser)
         words = _continue(text.split(), request) if answer is None else _pieces(answer)
-        continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip())
+        # the first word follows the continued text with a space, unless that text ends with one already
+        continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip()
+                                                     and not request.messages[-1].content[-1].isspace())
         return FakeStream(
             words, prompt_words, max_tokens, self._spec.fake.token_delay_s, self._counters,
             joined=answer is not None, continued=continued, fault=_mid_stream_fault(text, request.continue_final),

@@ -1,0 +1,240 @@
+"""A randomized stress of stream resumption: many concurrent streams on the fake engine, a process
+hung (SIGSTOP) or killed at a random moment, and a rolling restart, a reload, an unload or a kill
+landing before, during or after the hang is found. Every stitched text is checked against the
+unbroken answer: the same text byte for byte, or a prefix of it ended by an error event — never a
+different text. Used by tests/test_router_resume_stress.py (a short run) and ``make stress`` (a long one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+
+#: Words of the echoed texts: ASCII, accented, CJK and emoji (several UTF-8 bytes each).
+VOCABULARY = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+              "quebec romeo sierra tango uniform victor whiskey xray yankee zulu naïve über ça 日本語 東京 "
+              "😀 ünïcödé señor").split()
+#: What may land beside the hang: nothing, a rolling restart, a reload that changes the process, an unload,
+#: a kill -9 (of whichever process is current then).
+ACTIONS = ("none", "restart", "reload", "unload", "kill")
+#: When the action lands: before the SIGSTOP, right after it, or once the hang is likely found.
+WHENS = ("before", "during", "after")
+#: The fault: a SIGSTOP held until the hang is found, one lifted after a moment, or none.
+HANGS = ("hang", "hang", "brief stop", "no stop")
+STREAM_BOUND_S = 90.0
+
+
+@dataclass
+class Outcome:
+    """One stream as its client saw it, and what the unbroken stream said."""
+
+    expected: str
+    text: str = ""
+    error: str | None = None
+    dones: int = 0
+    roles: int = 0
+    status: int = 0
+    ids: set[str] = field(default_factory=set)
+
+    def problem(self) -> str | None:
+        """Why this outcome is wrong (None: exact, or a prefix ended by an error event)."""
+        if self.status != 200:
+            return None if self.error else f"status {self.status} without an error body"
+        if self.dones != 1:
+            return f"{self.dones} [DONE] events"
+        if self.roles != 1 or len(self.ids) > 1:
+            return f"{self.roles} role deltas, ids {sorted(self.ids)}"
+        if self.error is None and self.text != self.expected:
+            return f"GARBLED: got {self.text!r}, unbroken {self.expected!r}"
+        if self.error is not None and not self.expected.startswith(self.text):
+            return f"GARBLED before an error ({self.error}): got {self.text!r}, unbroken {self.expected!r}"
+        return None
+
+
+@dataclass
+class Figures:
+    rounds: int = 0
+    streams: int = 0
+    exact: int = 0
+    errors: int = 0
+    problems: list[str] = field(default_factory=list)
+    scenarios: dict[str, int] = field(default_factory=dict)
+
+
+def body_of(rng: random.Random, stream: bool = True) -> dict[str, Any]:
+    """A chat whose echo is a random text; sometimes capped, sometimes with a stop string inside it."""
+    words = [rng.choice(VOCABULARY) for _ in range(rng.randint(12, 40))]
+    body: dict[str, Any] = {"model": "echo", "stream": stream,
+                            "messages": [{"role": "user", "content": " ".join(words)}]}
+    roll = rng.random()
+    if roll < 0.3:
+        body["max_tokens"] = rng.randint(1, len(words) + 3)
+    elif roll < 0.5:  # a stop string made of a word and the next: its first word is held back where it matches
+        at = rng.randrange(1, len(words) - 1)
+        body["stop"] = [f"{words[at]} {words[at + 1]}"]
+    if rng.random() < 0.3:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def read(client: httpx.AsyncClient, body: dict[str, Any], expected: str) -> Outcome:
+    out = Outcome(expected)
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        out.status = response.status_code
+        if response.status_code != 200:
+            raw = await response.aread()
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                out.error = json.loads(raw)["error"]["code"]
+            return out
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out.dones += 1
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.error = event["error"].get("code") or "error"
+                continue
+            out.ids.add(event["id"])
+            for choice in event.get("choices") or ():
+                delta = choice.get("delta") or {}
+                out.roles += "role" in delta
+                out.text += delta.get("content") or ""
+    return out
+
+
+async def unbroken(client: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    """The text of the same request, answered without faults (non-streamed: the same engine path's text)."""
+    reply = await client.post("/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return str(reply.json()["choices"][0]["message"]["content"])
+
+
+class Stress:
+    def __init__(self, router: RunningRouter, config_path: Path, rng: random.Random, figures: Figures,
+                 streams: int) -> None:
+        self.router, self.config_path, self.rng, self.figures, self.streams = router, config_path, rng, figures, streams
+
+    def pid(self) -> int | None:
+        backend = self.router.backend("echo")
+        return backend.pid if backend.state.value == "ready" else None
+
+    async def act(self, action: str) -> None:
+        client = self.router.client
+        if action == "restart":
+            await client.post("/api/models/echo/restart", timeout=120)
+        elif action == "reload":
+            data = yaml.safe_load(self.config_path.read_text())
+            fake = data["models"]["echo"]["fake"]
+            fake["load_s"] = max(0.02, fake["load_s"] + self.rng.choice([0.01, -0.01]))
+            self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+            await client.post("/api/reload", timeout=120)
+        elif action == "unload":
+            await client.post("/api/models/echo/unload", timeout=120)
+        elif action == "kill":
+            pid = self.pid()
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    async def round(self) -> None:
+        rng, client = self.rng, self.router.client
+        bodies = [body_of(rng) for _ in range(self.streams)]
+        expected = await asyncio.gather(*(unbroken(client, b) for b in bodies))
+        action, when, hang = rng.choice(ACTIONS), rng.choice(WHENS), rng.choice(HANGS)
+        scenario = f"{hang} + {action} {when}"
+        self.figures.scenarios[scenario] = self.figures.scenarios.get(scenario, 0) + 1
+        readers = []
+        for b, e in zip(bodies, expected, strict=True):
+            readers.append(asyncio.create_task(read(client, b, e)))
+            await asyncio.sleep(rng.uniform(0, 0.1))  # staggered starts: cut points spread over the answers
+        stopped: int | None = None
+        try:
+            await asyncio.sleep(rng.uniform(0, 0.4))
+            if when == "before":
+                await self.act(action)
+            if hang != "no stop" and (stopped := self.pid()) is not None:
+                os.kill(stopped, signal.SIGSTOP)
+                if hang == "brief stop":  # continued about when the probes (or the stall watch) give up on it
+                    asyncio.get_running_loop().call_later(rng.uniform(0.5, 3.5), _cont, stopped)
+            if when == "during":
+                await asyncio.sleep(rng.uniform(0, 1.0))
+                await self.act(action)
+            elif when == "after":
+                await asyncio.sleep(rng.uniform(1.0, 3.0))
+                await self.act(action)
+            done, pending = await asyncio.wait(readers, timeout=STREAM_BOUND_S)
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped, signal.SIGCONT)  # a process never found hung goes on (nothing leaks)
+        for task in pending:
+            task.cancel()
+        self.figures.rounds += 1
+        for index, task in enumerate(readers):
+            self.figures.streams += 1
+            if task in pending:
+                self.figures.problems.append(f"[{scenario}] stream {index} took over {STREAM_BOUND_S:g}s")
+                continue
+            outcome = task.result()
+            problem = outcome.problem()
+            if problem is not None:
+                self.figures.problems.append(f"[{scenario}] stream {index}: {problem}")
+            elif outcome.error is None:
+                self.figures.exact += 1
+            else:
+                self.figures.errors += 1
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def stress_config(tmp_path: Path, rng: random.Random) -> Path:
+    """Fast probes; a stall watch on some runs; a start that takes a moment on others (a rolling change
+    then runs beside the hung process for a while, as in the issue's soak)."""
+    fast_health = {"health_interval_s": 0.5, "health_timeout_s": 1, "health_failures": 2}
+    stall = {"stall_timeout_s": rng.choice([1.5, 3.0])} if rng.random() < 0.5 else {}
+    model = fake_model(fake={"load_s": rng.choice([0.05, 0.5, 1.5]), "token_delay_s": 0.02}, max_resumes=3,
+                       drain_timeout_s=30, **fast_health, **stall)
+    return write_config(tmp_path, {"echo": model})
+
+
+async def run_stress(tmp_path: Path, seconds: float, seed: int, streams: int = 8) -> Figures:
+    """Rounds of concurrent streams and faults for about ``seconds``; the figures (problems listed)."""
+    figures, rng = Figures(), random.Random(seed)
+    path = stress_config(tmp_path, rng)
+    async with running_router(path) as router:
+        stress = Stress(router, path, rng, figures, streams)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not figures.problems:
+            await stress.round()
+            await wait_ready(router)
+    return figures
+
+
+async def wait_ready(router: RunningRouter, timeout_s: float = 60.0) -> None:
+    """Between rounds: the model serves again (a hang found, a relaunch done, any retired process gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = await router.client.post("/v1/chat/completions", json={"model": "echo", "messages": [
+            {"role": "user", "content": "ready"}]}, timeout=timeout_s)
+        if reply.status_code == 200:
+            return
+        assert time.monotonic() < deadline, reply.text
+        await asyncio.sleep(0.2)
