@@ -8,7 +8,7 @@ CONFIG ?= config.yaml
 DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-matrix chaos soak bench bench-deps lint typecheck clean models
+.PHONY: setup serve test test-matrix chaos soak stress bench bench-deps lint typecheck clean models
 
 setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
 
@@ -38,11 +38,15 @@ test: setup test-models  ## run the whole test suite
 test-matrix: setup test-models  ## the real-model tests under f32/bf16 precision and oneDNN ISA caps (not part of make test)
 	tools/test_matrix.sh $(PYTEST_ARGS)
 
-chaos: setup  ## a bounded soak under faults (kill -9, SIGSTOP, markers, config edits); fails on hung/cut/orphans
+chaos: setup  ## a bounded soak under faults (kill -9, SIGSTOP, markers, config edits); fails on hung/cut/garbled/orphans
 	$(PY) -m bench.chaos $(CHAOS_ARGS)
 
 soak: setup  ## SOAK_MINUTES (default 30) of chaos load; fails on RSS/open-file/thread growth past bench/soak.py's bounds
 	$(PY) -m bench.soak $(SOAK_ARGS)
+
+STRESS_S ?= 300
+stress: setup  ## the resumption stress for $(STRESS_S) s (make test runs 12 s of it): every stitched stream exact
+	OVROUTER_STRESS_S=$(STRESS_S) $(PY) -m pytest tests/test_router_resume_stress.py -q -s -p no:cacheprovider
 
 bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
 	$(PY) -m bench $(BENCH_ARGS)

@@ -11,9 +11,14 @@ is never touched.
 
 It prints requests ok / failed by cause per model, hung requests (no answer within
 ``HUNG_S``), cut streams (ended without ``[DONE]``) and streams ended by an error event, and
-the processes left behind after the router's SIGTERM. It exits 1 on any hung request, any
-cut stream without an error event, any failure of ``calm``, or an orphan process. Marker
-requests are the poison: their own outcome is counted apart and never fails the run.
+the processes left behind after the router's SIGTERM. Every answer of a fake model is checked
+against the text an unbroken one gives (the echo of its words, ``max_tokens`` of them): a
+different text is *garbled* (a resumed stream that repeated or lost words at the seam). Clean
+requests that failed while a ``[[crash]]``, ``[[hang]]`` or ``[[fatal]]`` request to the same
+model was in flight are counted as *failed beside a marker* (``--actions marker`` makes every
+clean failure one). It exits 1 on any hung request, any cut stream without an error event,
+any garbled answer, any failure of ``calm``, or an orphan process. Marker requests are the
+poison: their own outcome is counted apart and never fails the run.
 
 Traffic goes to 127.0.0.1 only; every loop is bounded in count and time.
 """
@@ -52,6 +57,11 @@ FAULTED = ("alpha", "beta")
 SAMPLES: dict[tuple[str, int], str] = {}
 MARKERS = ("[[fatal]]", "[[crash]]", "[[hang]]", "[[error]]", "[[suspect]]", "[[stall]]", "[[crash-mid]]",
            "[[fatal-mid]]", "[[abort]]")
+#: The markers whose clean neighbours must all be served (the issue's target: 0 failed beside them).
+BESIDE = ("[[crash]]", "[[hang]]", "[[fatal]]")
+ACTIONS = ("kill", "stop", "marker", "marker", "edit", "unload", "restart")
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
+MAX_TOKENS = 12
 
 
 @dataclass(slots=True)
@@ -63,7 +73,15 @@ class Tally:
     actions: Counter[str] = field(default_factory=Counter)
     hung: list[str] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
+    garbled: list[str] = field(default_factory=list)
     seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (model, cause) -> durations
+    markers: list[tuple[str, str, float, float]] = field(default_factory=list)  # (model, marker, start, end)
+    failed: list[tuple[str, str, float, float]] = field(default_factory=list)  # clean: (model, cause, start, end)
+
+    def beside(self, kinds: tuple[str, ...] = BESIDE) -> list[tuple[str, str, float, float]]:
+        """Clean failures while a marker request of ``kinds`` to the same model was in flight."""
+        return [f for f in self.failed if any(m[0] == f[0] and m[1] in kinds and m[2] < f[3] and f[2] < m[3]
+                                              for m in self.markers)]
 
     def add(self, model: str, cause: str, duration_s: float = 0.0) -> None:
         self.outcomes[(model, cause)] += 1
@@ -91,12 +109,18 @@ def wrapped_model() -> dict[str, Any]:
 
 
 def chat(model: str, text: str, stream: bool) -> dict[str, Any]:
-    return {"model": model, "stream": stream, "max_tokens": 12,
+    return {"model": model, "stream": stream, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": text}]}
 
 
+def unbroken(body: dict[str, Any]) -> str:
+    """The fake engine's answer to ``body`` without faults: its words echoed, ``max_tokens`` of them."""
+    return " ".join(body["messages"][-1]["content"].split()[: body["max_tokens"]])
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
-    """The cause of one request's outcome: ``ok``, ``http <status>``, ``error event``, ``cut``, ``hung``, ``conn``."""
+    """The cause of one request's outcome: ``ok``, ``garbled``, ``http <status>``, ``error event``, ``cut``,
+    ``hung``, ``conn``. ``garbled``: a fake model's answer that is not the unbroken one."""
     try:
         async with asyncio.timeout(HUNG_S), session.post(url + "/v1/chat/completions", json=body) as resp:
             if resp.status != 200:
@@ -104,24 +128,33 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
                 SAMPLES.setdefault((body["model"], resp.status), raw[:240].decode(errors="replace"))
                 return f"http {resp.status}"
             if not body["stream"]:
-                await resp.json()
-                return "ok"
-            return await read_stream(resp)
+                text = (await resp.json())["choices"][0]["message"]["content"]
+            else:
+                cause, text = await read_stream(resp)
+                if cause != "ok":
+                    return cause
+            if body["model"] != "smollm2" and text != unbroken(body):
+                SAMPLES.setdefault((body["model"], -1), f"{text!r} where the unbroken answer is {unbroken(body)!r}")
+                return "garbled"
+            return "ok"
     except TimeoutError:
         return "hung"
     except (aiohttp.ClientError, ValueError):
         return "conn"
 
 
-async def read_stream(resp: aiohttp.ClientResponse) -> str:
-    errored = False
+async def read_stream(resp: aiohttp.ClientResponse) -> tuple[str, str]:
+    errored, text = False, ""
     async for raw in resp.content:
         line = raw.decode(errors="replace").strip()
         if line == "data: [DONE]":
-            return "error event" if errored else "ok"
+            return ("error event" if errored else "ok"), text
         if line.startswith("data: ") and '"error"' in line:
             errored = True
-    return "error event" if errored else "cut"
+        elif line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices") or ():
+                text += (choice.get("delta") or {}).get("content") or ""
+    return ("error event" if errored else "cut"), text
 
 
 async def client_loop(session: aiohttp.ClientSession, url: str, names: list[str], until: float,
@@ -130,12 +163,18 @@ async def client_loop(session: aiohttp.ClientSession, url: str, names: list[str]
         model = rng.choice(names)
         stream = rng.random() < 0.5
         started = time.monotonic()
-        cause = await one_request(session, url, chat(model, f"hello from a client {rng.randint(1, 999)}", stream))
-        tally.add(model, cause, time.monotonic() - started)
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
+        cause = await one_request(session, url, chat(model, f"hello from a client {words}", stream))
+        ended = time.monotonic()
+        tally.add(model, cause, ended - started)
+        if cause != "ok":
+            tally.failed.append((model, cause, started, ended))
         if cause == "hung":
             tally.hung.append(f"{model} stream={stream}")
         if cause == "cut":
             tally.cut.append(f"{model} stream={stream}")
+        if cause == "garbled":
+            tally.garbled.append(f"{model} stream={stream}")
 
 
 def signal_model(router: Router, name: str, sig: signal.Signals) -> bool:
@@ -156,9 +195,10 @@ class Chaos:
         self.router, self.config, self.session, self.tally, self.rng = router, config, session, tally, rng
         self.pending: set[asyncio.Task[None]] = set()
         self.markers: tuple[str, ...] = MARKERS
+        self.actions: tuple[str, ...] = ACTIONS
 
     async def act(self) -> None:
-        action = self.rng.choice(["kill", "stop", "marker", "marker", "edit", "unload", "restart"])
+        action = self.rng.choice(self.actions)
         target = self.rng.choice(FAULTED)
         self.tally.actions[action] += 1
         log.info("chaos: %s %s", action, target)
@@ -177,10 +217,13 @@ class Chaos:
             os.kill(pid, signal.SIGCONT)
 
     async def marker(self, name: str) -> None:
-        body = chat(name, f"poison {self.rng.choice(self.markers)}", self.rng.random() < 0.5)
+        marker = self.rng.choice(self.markers)
+        body = chat(name, f"poison {marker}", self.rng.random() < 0.5)
 
         async def send() -> None:
+            started = time.monotonic()
             self.tally.poison[await one_request(self.session, self.router.url, body)] += 1
+            self.tally.markers.append((name, marker, started, time.monotonic()))
 
         task = asyncio.create_task(send())
         self.pending.add(task)
@@ -208,14 +251,14 @@ class Chaos:
 
 
 async def soak(router: Router, config: dict[str, Any], seconds: float, every_s: float, seed: int,
-               markers: tuple[str, ...] = MARKERS) -> Tally:
+               markers: tuple[str, ...] = MARKERS, actions: tuple[str, ...] = ACTIONS) -> Tally:
     rng, tally = random.Random(seed), Tally()
     names = [name for name in config["models"] if name != "extra"]
     until = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         chaos = Chaos(router, config, session, tally, rng)
-        chaos.markers = markers
+        chaos.markers, chaos.actions = markers, actions
         clients = [asyncio.create_task(client_loop(session, router.url, names, until, tally,
                                                    random.Random(seed + i))) for i in range(CLIENTS)]
         while time.monotonic() < until - every_s:
@@ -247,7 +290,12 @@ def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[
     for (model, status), sample in sorted(SAMPLES.items()):
         print(f"  first {status} of {model}: {sample}")
     print(f"hung: {len(tally.hung)}  cut streams without an error event: {len(tally.cut)}  orphans: {len(orphans)}")
+    beside = tally.beside()
+    print(f"garbled answers: {len(tally.garbled)}  clean requests failed beside {'/'.join(BESIDE)}: {len(beside)} "
+          f"(of {len(tally.failed)} clean failures; {Counter(f[1] for f in beside)})")
     reasons = []
+    if tally.garbled:
+        reasons.append(f"{len(tally.garbled)} garbled answer(s): {tally.garbled[:5]}")
     if tally.hung or tally.poison.get("hung"):
         reasons.append(f"{len(tally.hung) + tally.poison.get('hung', 0)} hung request(s): {tally.hung[:5]}")
     if tally.cut:
@@ -269,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-router", action="store_true", help="end with kill -9 of the router, not SIGTERM")
     parser.add_argument("--markers", help="comma-separated fault markers to send (default: all of them)")
     parser.add_argument("--no-wrapped", action="store_true", help="leave out the shell-wrapped command: model")
+    parser.add_argument("--actions", help=f"comma-separated chaos actions (default: {','.join(sorted(set(ACTIONS)))})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     seconds = min(args.seconds, 300.0)
@@ -278,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                                {"health_interval_s": 1, "health_failures": 2, "request_timeout_s": 50})
         router = start_router(procs, Path(tmp), config)
         markers = tuple(m.strip() for m in args.markers.split(",")) if args.markers else MARKERS
-        tally = asyncio.run(soak(router, config, seconds, args.every, args.seed, markers))
+        actions = tuple(a.strip() for a in args.actions.split(",")) if args.actions else ACTIONS
+        tally = asyncio.run(soak(router, config, seconds, args.every, args.seed, markers, actions))
         if args.kill_router:
             router.proc.kill()  # kill -9: no shutdown, only PDEATHSIG and the watchdog clean up
             router.proc.wait(10)

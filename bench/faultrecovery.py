@@ -117,12 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--health-failures", type=int, default=2)
     parser.add_argument("--faults", default="hang,sigstop,kill -9,crash")
     parser.add_argument("--keep", type=Path, help="copy each episode's router log here")
+    parser.add_argument("--shipped-probes", action="store_true",
+                        help="the shipped probe defaults (health_interval_s, health_timeout_s, health_failures)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    defaults = {"health_interval_s": args.health_interval, "health_failures": args.health_failures,
-                "health_timeout_s": 1.0, "request_timeout_s": 50}
-    print(f"fake model: load_s 0.3, token_delay_s 0.02; health every {args.health_interval:g}s, "
-          f"{args.health_failures} failures = hung")
+    defaults: dict[str, Any] = {"request_timeout_s": 50}
+    if args.shipped_probes:
+        print("fake model: load_s 0.3, token_delay_s 0.02; the shipped probe defaults")
+    else:
+        defaults.update({"health_interval_s": args.health_interval, "health_failures": args.health_failures,
+                         "health_timeout_s": 1.0})
+        print(f"fake model: load_s 0.3, token_delay_s 0.02; health every {args.health_interval:g}s, "
+              f"{args.health_failures} failures = hung")
     for fault in args.faults.split(","):
         with tempfile.TemporaryDirectory(prefix="ovrouter-faults-") as tmp, Procs(Path(tmp) / "logs") as procs:
             config = router_config(Path(tmp) / "state", {"fake": fake_model(load_s=0.3, token_delay_s=0.02,

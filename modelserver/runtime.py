@@ -109,7 +109,13 @@ class ModelRuntime:
         body: dict[str, Any] = {"status": self.status, "model": self.spec.name, "task": self.spec.task}
         body["startup"] = {**startup.marks(), "engine_load_s": self.load_s}
         if self.status == "ready":
-            return 200, {**body, **self._engine.stats()}
+            stats = self._engine.stats()
+            stuck_s = float(stats.get("stuck_s") or 0.0)
+            if 0 < self.spec.stuck_after_s < stuck_s:  # the pump is wedged (a driver call that never returns)
+                reason = (f"no generation step finished for {stuck_s:.0f}s with work waiting "
+                          f"(stuck_after_s={self.spec.stuck_after_s:g})")
+                return 503, {**body, **stats, "status": "stuck", "reason": reason}
+            return 200, {**body, **stats}
         if self.status == "failed":
             body["reason"] = self.reason
         return 503, body

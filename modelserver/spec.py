@@ -186,10 +186,14 @@ class ModelSpec(_Frozen):
     idle_timeout_s: float = for_supervisor(900, ge=0, description="stop after this long without requests; 0 = never")
     startup_timeout_s: float = for_supervisor(180, gt=0, description="deadline for /health to answer 200 after a start")
     health_interval_s: float = for_supervisor(
-        10, ge=0, description="seconds between health probes while ready; 0 = probe only while starting"
+        2, ge=0, description="seconds between health probes while ready; 0 = probe only while starting"
     )
-    health_timeout_s: float = for_supervisor(5, gt=0, description="timeout of one health probe")
-    health_failures: int = for_supervisor(3, ge=1, description="consecutive failed probes that mark a backend hung")
+    health_timeout_s: float = for_supervisor(4, gt=0, description="timeout of one health probe")
+    health_failures: int = for_supervisor(2, ge=1, description="consecutive failed probes that mark a backend hung")
+    stuck_after_s: float = for_engine(
+        30, ge=0, description="work waiting and no generation step finished this long: /health says stuck "
+        "(503), so the probes replace the process; 0 = never"
+    )
     stop_timeout_s: float = for_supervisor(10, ge=0, description="SIGTERM grace before SIGKILL")
     request_timeout_s: float = for_router(600, gt=0, description="deadline for the first byte of a backend response")
     stream_idle_timeout_s: float = for_router(300, gt=0, description="longest silence allowed between streamed chunks")

@@ -18,8 +18,8 @@ plain path of :func:`router.relay.relay`, chunk by chunk, unchanged.
 take their second try through the model's *suspect lane* (``Model.suspects``), one at a time, so a
 poison request among them takes no other suspect down with it and the innocent ones are served.
 Ordinary requests never wait for the lane. The lane is taken before the lease and given back when
-the attempt ends, or after :func:`_lane_hold_s` (the time a poison request needs to show itself: a
-crash at once, a hang once the probes give up) — a suspect whose client reads slowly holds it no longer.
+its answer begins (the response head; a resumed stream's first event) — a poison request would have taken
+the process down before — or after :func:`_lane_hold_s` at most (the time a hang needs to be found).
 
 **Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56): it made every request of
 the model wait at a gate while a suspect waited or ran, and a suspect wait for the requests running
@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -84,6 +84,7 @@ class Job:
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
     suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
+    leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
     backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
@@ -141,6 +142,8 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
     try:
         if resp.header(b"x-backend-fatal") == b"1":
             return await _died(job, lease, "fatal", await _detail(resp))
+        if job.leave_lane is not None and not job.head_sent:  # it answered: a poison would have taken the
+            job.leave_lane()  # process down first (a resumed stream gives the lane back at its first event)
         if job.plan is None:
             return await _relay(job, lease, resp)
         return await _relay_resumable(job, lease, resp)
@@ -174,6 +177,8 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
                 await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
                 return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
             await _relay_chunk(job, chunk)
+            if job.leave_lane is not None:  # the continuation flows: the next suspect need not wait for its end
+                job.leave_lane()
     except UpstreamTimeout:
         if spec.stall_timeout_s >= spec.stream_idle_timeout_s:
             return await _end_stream(job, f"model {job.name!r} sent nothing for stream_idle_timeout_s="
@@ -263,20 +268,21 @@ async def _lane(job: Job) -> AsyncIterator[None]:
             lane.release()
 
     timer = asyncio.get_running_loop().call_later(_lane_hold_s(job), release)
+    job.leave_lane = release
     try:
         yield
     finally:
         timer.cancel()
+        job.leave_lane = None
         release()
 
 
 def _lane_hold_s(job: Job) -> float:
-    """How long a suspect keeps the lane at most: time for a poison request to show (a crash at once, a hang
-    once the probes give up, a stall once the stall watch fires), then the next suspect goes."""
+    """How long a suspect keeps the lane at most (it gives it back as soon as its answer begins): time for a
+    poison request to show — a crash at once, a hang once every probe failed — then the next suspect goes."""
     spec = job.model.spec
-    probes = spec.health_interval_s * spec.health_failures + spec.health_timeout_s if spec.health_interval_s else 0.0
-    stall = spec.stall_timeout_s if job.head_sent else 0.0
-    return min(max(probes, stall, 5.0) + 5.0, 120.0)
+    probes = spec.health_failures * (spec.health_interval_s + spec.health_timeout_s) if spec.health_interval_s else 0
+    return min(probes + 10.0, 120.0)
 
 
 def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:

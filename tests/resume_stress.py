@@ -48,9 +48,12 @@ class Outcome:
     roles: int = 0
     status: int = 0
     ids: set[str] = field(default_factory=set)
+    client_error: str | None = None
 
     def problem(self) -> str | None:
         """Why this outcome is wrong (None: exact, or a prefix ended by an error event)."""
+        if self.client_error is not None:
+            return f"the client failed: {self.client_error}"
         if self.status != 200:
             return None if self.error else f"status {self.status} without an error body"
         if self.dones != 1:
@@ -92,6 +95,14 @@ def body_of(rng: random.Random, stream: bool = True) -> dict[str, Any]:
 
 async def read(client: httpx.AsyncClient, body: dict[str, Any], expected: str) -> Outcome:
     out = Outcome(expected)
+    try:
+        return await _read(client, body, out)
+    except httpx.HTTPError as exc:  # a silence longer than the client's read timeout, a connection cut
+        out.client_error = f"{type(exc).__name__} after {out.text!r}"
+        return out
+
+
+async def _read(client: httpx.AsyncClient, body: dict[str, Any], out: Outcome) -> Outcome:
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         out.status = response.status_code
         if response.status_code != 200:

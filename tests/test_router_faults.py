@@ -309,3 +309,31 @@ async def test_clean_requests_beside_a_poison_one_are_never_named_the_cause(tmp_
         assert backend.restarts <= 2  # the poison request was sent twice at most
         await wait_for(lambda: backend.state.value == "ready")
         assert backend.failures == 0  # a poison request's deaths push the model toward no backoff
+
+
+async def test_a_hang_is_found_in_seconds_with_the_default_probes(tmp_path: Path) -> None:
+    from modelserver.spec import ModelSpec
+
+    probes = {key: ModelSpec.model_fields[key].default
+              for key in ("health_interval_s", "health_timeout_s", "health_failures")}  # the defaults, as shipped
+    async with running_router(config(tmp_path, **probes)) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
+        started = time.monotonic()
+        poison = await router.client.post("/v1/chat/completions", json=chat("[[hang]]"), timeout=120)
+        found_s = time.monotonic() - started
+        assert poison.status_code == 502 and poison.json()["error"]["code"] == "request_crashed_model"
+        print(f"a hang found and answered in {found_s:.1f}s with the default probes {probes}")
+        assert found_s < 40  # the old defaults took ~45 s; generous for a loaded machine (bench: ~10-14 s)
+
+
+async def test_a_non_streamed_request_whose_generation_stops_advancing_is_found_by_the_pump_watch(
+    tmp_path: Path,
+) -> None:
+    health = {"health_interval_s": 0.5, "health_timeout_s": 2, "health_failures": 2}
+    async with running_router(config(tmp_path, stuck_after_s=1, **health)) as router:
+        stalled = await router.client.post("/v1/chat/completions", json=chat(STALLING), timeout=60)
+        # /health answers all along, but says "stuck" once no token came for stuck_after_s: the probes fail
+        assert stalled.status_code == 502 and stalled.json()["error"]["code"] == "request_crashed_model"
+        assert "health" in (router.backend("echo").last_error or "")
+        await wait_for(lambda: router.backend("echo").state.value == "ready")
+        assert (await router.client.post("/v1/chat/completions", json=chat("next"))).status_code == 200

@@ -128,3 +128,52 @@ def test_nothing_left_to_generate_gives_no_continuation() -> None:
 def test_a_fatal_error_event_is_recognised() -> None:
     fatal = b'data: {"error":{"message":"engine failed beyond repair","code":"engine_fatal"}}\n\n'
     assert fatal_event(fatal) and not fatal_event(fatal.replace(b"engine_fatal", b"engine_error"))
+
+
+SEAM_TEXT = "naïve über 日本語 😀 alpha beta gamma delta"  # several UTF-8 bytes per character in the first words
+
+
+async def stitched_at_every_cut(body: dict[str, Any]) -> tuple[bytes, set[str]]:
+    """Cut the unbroken stream of ``body`` at every byte, resume each cut on a fresh fake, and return the
+    unbroken stream and the distinct stitched texts (one, when every seam is exact)."""
+    whole = await post(body)
+    plan_ = plan("/v1/chat/completions", json.dumps(body).encode(), 512)
+    assert plan_ is not None
+    stitched: dict[int, str] = {}
+    for cut in range(len(whole)):  # before the first token, mid-word, mid-character, at the last token
+        log = StreamLog()
+        log.cut(whole[:cut])
+        sent = b"".join(log.sent)
+        if len(sent) in stitched:
+            continue  # a cut inside the same event: the client holds the same whole events
+        seen = progress(log)
+        rest = continuation(plan_, seen)
+        if rest is None or seen.done or seen.finish is not None:
+            stitched[len(sent)] = chat_text(sent + log.rest())
+            continue
+        splice = Splice(seen)
+        stitched[len(sent)] = chat_text(sent + splice.feed(await post(rest)) + splice.rest())
+    return whole, set(stitched.values())
+
+
+async def test_the_seam_is_exact_at_every_cut_point_of_a_chat_stream() -> None:
+    body = {**chat_body(stream_options={"include_usage": True}), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)
+    assert texts == {chat_text(whole)} == {SEAM_TEXT}
+
+
+async def test_the_seam_is_exact_at_every_cut_point_under_max_tokens() -> None:
+    body = {**chat_body(max_tokens=5), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)
+    assert texts == {chat_text(whole)} == {"naïve über 日本語 😀 alpha"}
+
+
+async def test_the_seam_is_exact_right_after_a_stop_string_begins() -> None:
+    # "alpha" may begin the stop string: the server holds it back until "gamma" shows it does not match;
+    # a cut while it is held resumes before it, and the fresh stop matcher sees the rest whole
+    body = {**chat_body(stop=["alpha beta zeta"]), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)
+    assert texts == {chat_text(whole)} == {SEAM_TEXT}
+    body = {**chat_body(stop=["beta gamma"]), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)
+    assert texts == {chat_text(whole)} == {"naïve über 日本語 😀 alpha "}

@@ -24,8 +24,10 @@ and, checked while a text answer streams:
   stream and exits) — unless the request continues a final assistant message.
 
 A chat whose last message is an assistant message, sent with ``continue_final_message``,
-continues it: the echo's words that the message already holds are skipped, so a stream
-resumed after its backend died ends with exactly the text an unbroken one would have.
+continues it: the echo's text that the message already holds is skipped (character by
+character: a message that ends mid-word, as text held back by a stop string leaves it, is
+continued mid-word), so a stream resumed after its backend died ends with exactly the text
+an unbroken one would have. A final message that is not the start of the echo is a 400.
 
 Tools and structured output (what router and client tests build on):
 
@@ -62,7 +64,7 @@ import numpy as np
 from modelserver.engines.base import EmbeddingResult, FinishReason, GenerationRequest
 from modelserver.engines.context import check_inputs, fit_context
 from modelserver.engines.tokens import check_ids
-from modelserver.errors import LoadError
+from modelserver.errors import LoadError, RequestError
 from modelserver.spec import ModelSpec
 from modelserver.structured import Grammar, TagSpec, ToolGrammar, tool_call_grammar
 
@@ -121,16 +123,22 @@ class _Counters:
         self.running = 0
         self.completed = 0
         self.cancelled = 0
+        self.advanced_at = time.monotonic()  # a generation started or sent a token (as a real pump's step)
+
+    def advance(self) -> None:
+        self.advanced_at = time.monotonic()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"running": self.running, "completed": self.completed, "cancelled": self.cancelled}
+        stuck_s = max(time.monotonic() - self.advanced_at, 0.0) if self.running else 0.0
+        return {"running": self.running, "completed": self.completed, "cancelled": self.cancelled,
+                "stuck_s": round(stuck_s, 1)}
 
 
 class FakeStream:
     """``words`` (pieces of text, each a delta and a token), joined by spaces unless ``joined``."""
 
     def __init__(self, words: list[str], prompt_tokens: int, max_tokens: int, delay_s: float, counters: _Counters,
-                 joined: bool = False, continued: bool = False, fault: str | None = None):
+                 joined: bool = False, fault: str | None = None):
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: FinishReason | None = None
@@ -140,9 +148,9 @@ class FakeStream:
         self._counters = counters
         self._closed = False
         self._joined = joined
-        self._continued = continued  # the first word follows text already there: it gets its space too
         self._fault = fault  # "stall" or "crash-mid": after half the words
         counters.running += 1
+        counters.advance()
         self._gen = self._deltas()
 
     def __aiter__(self) -> AsyncIterator[str]:
@@ -155,7 +163,8 @@ class FakeStream:
                     await _mid_fault(self._fault)
                 await asyncio.sleep(self._delay_s)
                 self.completion_tokens += 1
-                yield word if (index == 0 and not self._continued) or self._joined else " " + word
+                self._counters.advance()
+                yield word if index == 0 or self._joined else " " + word
             self.finish_reason = "length" if len(self._words) > self._max_tokens else "stop"
         finally:
             self._settle()
@@ -178,7 +187,7 @@ class FakeStream:
     def token_logprobs(self) -> list[tuple[str, float]]:
         """Every piece sent is certain: log probability 0."""
         sent = self._words[: self.completion_tokens]
-        return [(w if (i == 0 and not self._continued) or self._joined else " " + w, 0.0) for i, w in enumerate(sent)]
+        return [(w if i == 0 or self._joined else " " + w, 0.0) for i, w in enumerate(sent)]
 
 
 async def _mid_fault(fault: str) -> None:
@@ -201,13 +210,20 @@ def _mid_stream_fault(text: str, continued: bool) -> str | None:
     return None
 
 
-def _continue(words: list[str], request: GenerationRequest) -> list[str]:
-    """The echo's words that the final assistant message (a continuation) does not hold yet."""
+def _continue(words: list[str], request: GenerationRequest) -> list[str] | None:
+    """The rest of the echo after the final assistant message (a continuation), in pieces that carry their
+    own spacing (the first may end a word the message began); None when it is not a continuation.
+
+    A final message that is not the start of the echo cannot be continued faithfully: a 400, never an
+    answer restarted from its first word (what an unfaithful resume would look like)."""
     turns = request.messages or ()
     if not request.continue_final or not turns or turns[-1].role != "assistant":
-        return words
-    done = turns[-1].content.split()
-    return words[len(done):] if words[: len(done)] == done else words
+        return None
+    done, echo = turns[-1].content, " ".join(words)
+    if not echo.startswith(done):
+        raise RequestError("continue_final_message: the final assistant message is not the start of the fake "
+                           "engine's answer, which cannot continue it", param="continue_final_message")
+    return _pieces(echo[len(done):])
 
 
 def example_of(schema: Any, root: Any = None) -> Any:
@@ -343,13 +359,11 @@ class FakeTextGenerator:
         param = "messages" if request.messages is not None else "prompt"
         max_tokens = fit_context(prompt_words, request.sampling, self.context_length, param)
         answer = structured_answer(request, self.tool_parser)
-        words = _continue(text.split(), request) if answer is None else _pieces(answer)
-        # the first word follows the continued text with a space, unless that text ends with one already
-        continued = request.continue_final and bool(request.messages and request.messages[-1].content.strip()
-                                                     and not request.messages[-1].content[-1].isspace())
+        rest = _continue(text.split(), request) if answer is None else None
+        words = _pieces(answer) if answer is not None else rest if rest is not None else text.split()
         return FakeStream(
             words, prompt_words, max_tokens, self._spec.fake.token_delay_s, self._counters,
-            joined=answer is not None, continued=continued, fault=_mid_stream_fault(text, request.continue_final),
+            joined=answer is not None or rest is not None, fault=_mid_stream_fault(text, request.continue_final),
         )
 
 

@@ -91,11 +91,19 @@ class Pump:
         self.completed = 0
         self.cancelled = 0
         self.metrics: Any = None  # the pipeline's PipelineMetrics after the last step (read by /health)
+        self.advanced_at = time.monotonic()  # when the pump last had nothing to do or finished a step
         self._thread = threading.Thread(target=self._run, name="ov-pump", daemon=True)
 
     @property
     def running(self) -> int:
         return len(self._active)
+
+    @property
+    def stuck_s(self) -> float:
+        """How long requests have waited with no step finished (0 while idle): a wedged step grows it."""
+        if not self._active and self._inbox.empty():
+            return 0.0
+        return max(time.monotonic() - self.advanced_at, 0.0)
 
     def start(self) -> None:
         self._thread.start()
@@ -131,10 +139,13 @@ class Pump:
         self._admit()
         self._drop_cancelled()
         if not self._active and (self._broken or not self._pipe.has_non_finished_requests()):
+            self.advanced_at = time.monotonic()
             self._wake.wait()
             self._wake.clear()
+            self.advanced_at = time.monotonic()
             return
         self._pipe.step()
+        self.advanced_at = time.monotonic()
         self.metrics = self._pipe.get_metrics()
         self._broken = False
         self._publish()
@@ -308,7 +319,8 @@ class OpenVINOTextGenerator:
         }
 
     def stats(self) -> dict[str, Any]:
-        figures = {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled}
+        figures = {"running": self._pump.running, "completed": self._pump.completed, "cancelled": self._pump.cancelled,
+                   "stuck_s": round(self._pump.stuck_s, 1)}
         return {**figures, **pipeline_figures(self._pump.metrics), **self._prefix.stats()}
 
     def close(self) -> None:
