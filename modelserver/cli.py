@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -102,8 +103,9 @@ def configure_logging(level: str) -> None:
 class _Loader:
     """The loader thread; a failed load stops the server, whether it is already running or not yet built."""
 
-    def __init__(self, runtime: ModelRuntime) -> None:
+    def __init__(self, runtime: ModelRuntime, readiness: startup.Readiness) -> None:
         self._runtime = runtime
+        self._readiness = readiness
         self._server: uvicorn.Server | None = None
         self._failed = False
         self._lock = threading.Lock()
@@ -111,6 +113,8 @@ class _Loader:
 
     def _run(self) -> None:
         ok = self._runtime.load(make_engine)
+        if ok:
+            self._readiness.loaded()
         with self._lock:
             self._failed = not ok
             if self._failed and self._server is not None:
@@ -127,7 +131,9 @@ def take_token() -> str | None:
     return os.environ.pop(TOKEN_ENV, None) or None
 
 
-def _server(args: argparse.Namespace, runtime: ModelRuntime, token: str | None = None) -> uvicorn.Server:
+def _server(
+    args: argparse.Namespace, runtime: ModelRuntime, readiness: startup.Readiness, token: str | None = None
+) -> uvicorn.Server:
     import uvicorn  # imported while the loader thread builds the pipeline
 
     from modelserver.app import build_app
@@ -143,7 +149,14 @@ def _server(args: argparse.Namespace, runtime: ModelRuntime, token: str | None =
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **listen,
     )
-    return uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound and listening: what a health probe would find next
+                readiness.listening()
+
+    return Server(config)
 
 
 def _exit_fatal() -> None:
@@ -164,9 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("failed to load %s: %s", args.model or args.name or args.path or "model", "; ".join(exc.errors))
         return EXIT_USAGE
     runtime = ModelRuntime(spec, on_fatal=_exit_fatal)
-    loader = _Loader(runtime)
+    readiness = startup.Readiness.from_env()
+    loader = _Loader(runtime, readiness)
     loader.thread.start()
-    server = _server(args, runtime, token)
+    server = _server(args, runtime, readiness, token)
     loader.attach(server)
     log.info("serving %s (task %s, engine %s) on %s", spec.name, spec.task, spec.engine, args.uds or args.port)
     server.run()

@@ -7,20 +7,61 @@ one machine): ``process`` (the kernel's start time of this pid, Linux only), ``i
 ``load_start`` / ``loaded`` (the engine's load, OpenVINO's import included; the engine's own
 ``load_s`` in ``/health`` is the pipeline construction within it), ``first_request`` (the
 first request handed the loaded engine).
+
+:class:`Readiness` announces on stdout the moment the process serves (the engine loaded *and*
+the socket listening) when the supervisor asked for it with ``OVROUTER_READY_TOKEN``:
+procman reads the line from the output pipe and stops waiting without polling ``/health``.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import sys
+import threading
 import time
 
-__all__ = ["FAULT_DIR_ENV", "fault_log", "mark", "marks"]
+__all__ = ["FAULT_DIR_ENV", "READY_ENV", "READY_PREFIX", "Readiness", "fault_log", "mark", "marks"]
 
 #: A folder for the traceback of every thread on a fatal signal (SIGSEGV, SIGABRT...): the test suite sets it.
 FAULT_DIR_ENV = "OVROUTER_FAULT_DIR"
 
+#: procman.process.READY_ENV and READY_PREFIX: the same names (modelserver imports no procman).
+READY_ENV = "OVROUTER_READY_TOKEN"
+READY_PREFIX = "ovrouter-ready "
+
 _MARKS: dict[str, float] = {}
+
+
+class Readiness:
+    """Prints ``READY_PREFIX + token`` once, when both ``loaded()`` and ``listening()`` were called (in either
+    order, from any thread); without a token (no supervisor asked) it prints nothing."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+        self._waiting = {"loaded", "listening"}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> Readiness:
+        """The token the supervisor passed, taken out of the environment (children of this process do not see it)."""
+        return cls(os.environ.pop(READY_ENV, None) or None)
+
+    def loaded(self) -> None:
+        self._done("loaded")
+
+    def listening(self) -> None:
+        self._done("listening")
+
+    def _done(self, what: str) -> None:
+        with self._lock:
+            if not self._waiting:
+                return
+            self._waiting.discard(what)
+            if self._waiting or self._token is None:
+                return
+            sys.stdout.write(f"{READY_PREFIX}{self._token}\n")
+            sys.stdout.flush()
 
 
 def mark(name: str) -> None:

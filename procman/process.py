@@ -22,11 +22,13 @@ from procman.address import Address, is_address_clash
 from procman.errors import BackendUnavailable, StartFailed, StartTimeout
 from procman.logbuffer import LogBuffer
 from procman.runtime import Runtime
-from procman.spawner import ProcessHandle, Where
+from procman.spawner import LineCallback, ProcessHandle, Where
 from procman.spec import BackendSpec, substitute
 
 __all__ = [
     "Aborted",
+    "READY_ENV",
+    "READY_PREFIX",
     "Running",
     "TOKEN_ENV",
     "child_command",
@@ -52,6 +54,11 @@ TAIL_LINES = 20  # log lines quoted in a failed start
 CAUSE_LINES = 20  # last log lines an exit is classified by
 #: The environment variable that hands a process on a node its bearer token (``modelserver`` reads the same name).
 TOKEN_ENV = "OVROUTER_MODEL_TOKEN"
+#: A process whose spec ``announces_ready`` gets a fresh token in this variable and prints ``READY_PREFIX + token``
+#: on stdout once it serves (``modelserver`` reads the same name); procman then stops waiting at once.
+READY_ENV = "OVROUTER_READY_TOKEN"
+READY_PREFIX = "ovrouter-ready "
+ANNOUNCED_POLL_S = 2.0  # a process that announces its readiness is still probed, this seldom (a safety net)
 
 
 @dataclass(slots=True)
@@ -63,6 +70,7 @@ class Running:
     exited: asyncio.Future[Any]
     log_mark: int = 0
     node: str | None = None  # the node's short name (an engine with nodes); None: this machine
+    announced: asyncio.Future[None] | None = None  # done when the process printed its readiness line
 
     @property
     def pid(self) -> int | None:
@@ -146,13 +154,14 @@ def child_command(spec: BackendSpec, address: Address, inherit: bool = True) -> 
 
 async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuffer, where: Where | None) -> Running:
     argv, env = child_command(spec, address, inherit=where is None)
+    announced, on_line = _announcement(spec, env, logs.append)
     mark = logs.total
     on = f" on node {where.node_name or where.node}" if where is not None else ""
     try:
         if where is None:
-            handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append)
+            handle = await rt.spawner.spawn(argv, env, spec.cwd, on_line)
         else:
-            handle = await rt.spawner.spawn(argv, env, spec.cwd, logs.append, where=where)  # type: ignore[call-arg]
+            handle = await rt.spawner.spawn(argv, env, spec.cwd, on_line, where=where)  # type: ignore[call-arg]
     except OSError as exc:
         raise StartFailed(f"{spec.name}: cannot run {argv[0]!r}{on}: {exc.strerror or exc}") from None
     log.info("spawned %s pid=%d%s", spec.name, handle.pid, on)
@@ -160,7 +169,27 @@ async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuff
     logs.note(f"spawned pid={handle.pid}{on} address={address} argv={argv}")
     node = (where.node_name or where.node) if where is not None else None
     return Running(address=address, handle=handle, exited=asyncio.ensure_future(handle.wait()), log_mark=mark,
-                   node=node)
+                   node=node, announced=announced)
+
+
+def _announcement(
+    spec: BackendSpec, env: dict[str, str], on_line: LineCallback
+) -> tuple[asyncio.Future[None] | None, LineCallback]:
+    """For a spec that ``announces_ready``: a fresh token in ``env``, and a line callback that completes the
+    returned future on the line ``READY_PREFIX + token`` (a per-spawn token: no other output can pass for it)."""
+    if not spec.announces_ready:
+        return None, on_line
+    token = secrets.token_hex(8)
+    env[READY_ENV] = token
+    expected = READY_PREFIX + token
+    announced: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def feed(line: str) -> None:
+        on_line(line)
+        if not announced.done() and line == expected:
+            announced.set_result(None)
+
+    return announced, feed
 
 
 async def _first(futures: Iterable[asyncio.Future[Any]]) -> None:
@@ -168,33 +197,43 @@ async def _first(futures: Iterable[asyncio.Future[Any]]) -> None:
 
 
 async def _wait_ready(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer, abort: asyncio.Event) -> None:
+    """Poll the health path (growing intervals) until 200; a process that announces its readiness ends the
+    wait the moment it does, and is polled only seldom meanwhile."""
     deadline = rt.clock() + spec.startup_timeout_s
-    delay = POLL_FIRST_S
+    announced = running.announced
+    delay = POLL_FIRST_S if announced is None else ANNOUNCED_POLL_S
     aborted = asyncio.ensure_future(abort.wait())
     pending: list[asyncio.Future[Any]] = [aborted]
+    watched = [running.exited, aborted, *([announced] if announced is not None else [])]
     try:
         while True:
             remaining = deadline - rt.clock()
             timeout_s = max(min(spec.health_timeout_s, remaining), 0.01)
             probe = asyncio.ensure_future(_probe(rt, spec, running.address, timeout_s))
             pending.append(probe)
-            await _first((probe, running.exited, aborted))
+            await _first((probe, *watched))
             _check_alive(spec, running, logs, aborted)
-            if _probe_ok(spec, probe):
+            if _is_done(announced) or _probe_ok(spec, probe):
                 return
             if deadline - rt.clock() <= 0:
                 raise _timeout(spec, running, logs)
             timer = asyncio.ensure_future(rt.sleep(min(delay, deadline - rt.clock())))
             pending[1:] = [timer]
-            await _first((timer, running.exited, aborted))
+            await _first((timer, *watched))
             _check_alive(spec, running, logs, aborted)
-            delay = min(delay * 2, POLL_MAX_S)
+            if _is_done(announced):
+                return
+            delay = min(delay * 2, POLL_MAX_S) if announced is None else ANNOUNCED_POLL_S
     except StartTimeout:
         await terminate(rt, spec, running, logs)
         raise
     finally:
         for future in pending:
             future.cancel()
+
+
+def _is_done(future: asyncio.Future[Any] | None) -> bool:
+    return future is not None and future.done()
 
 
 def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: asyncio.Future[Any]) -> None:

@@ -105,6 +105,9 @@ class BackendSpec:
     resources: Mapping[str, float] = field(default_factory=lambda: FrozenAmounts())
     #: an engine with nodes: the node (id, id prefix, name or IP) it must run on; None = any that fits
     node: str | None = None
+    #: the process prints ``ovrouter-ready <token>`` once it serves (the token from ``$OVROUTER_READY_TOKEN``,
+    #: fresh per spawn): the start ends then, not at the next health probe (``python -m modelserver`` does)
+    announces_ready: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "env", FrozenEnv(self.env))

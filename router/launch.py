@@ -66,5 +66,6 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
         fatal_patterns=spec.fatal_patterns,  # an engine setting the supervisor also reads (exit classification)
         resources=spec.placement.resources,
         node=spec.placement.node,
+        announces_ready=spec.launches_modelserver,  # readiness over the output pipe, not found by polling
         **supervision(spec),
     )

@@ -26,6 +26,7 @@ from procman import (
     StartTimeout,
     State,
 )
+from procman.process import READY_ENV, READY_PREFIX
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -128,6 +129,58 @@ async def test_readiness_polls_with_growing_intervals(h: Harness) -> None:
     h.spawner.last.healthy = True
     await h.clock.advance(0.5)
     await waiter
+
+
+def announces(proc: FakeProcess) -> None:
+    """A process that never answers a probe but prints its readiness line at once."""
+    proc.healthy = False
+    proc.say("loading", READY_PREFIX + proc.env[READY_ENV])
+
+
+async def test_announced_readiness_ends_the_start_without_a_successful_probe(h: Harness) -> None:
+    h.spawner.on_spawn = announces
+    backend = h.add(announces_ready=True)
+    address = await asyncio.wait_for(backend.ensure_ready(), 5.0)  # no fake time passes: the line alone did it
+    assert backend.state is State.READY and address == backend.address
+    assert len(h.prober.calls) <= 1
+    assert len(h.spawner.last.env[READY_ENV]) >= 16
+
+
+async def test_a_readiness_line_with_another_token_is_ignored(h: Harness) -> None:
+    h.spawner.on_spawn = unhealthy
+    backend = h.add(announces_ready=True)
+    waiter = asyncio.ensure_future(backend.ensure_ready())
+    await h.clock.advance(0.1)
+    h.spawner.last.say(READY_PREFIX + "0" * 16, "ovrouter-ready", READY_PREFIX.strip())
+    await h.clock.advance(3.0)
+    assert backend.state is State.STARTING and not waiter.done()
+    h.spawner.last.say(READY_PREFIX + h.spawner.last.env[READY_ENV])
+    await settle()
+    assert waiter.done() and backend.state is State.READY
+
+
+async def test_an_announcing_process_is_still_probed_seldom_as_a_safety_net(h: Harness) -> None:
+    h.spawner.on_spawn = unhealthy
+    backend = h.add(announces_ready=True, startup_timeout_s=30.0)
+    waiter = asyncio.ensure_future(backend.ensure_ready())
+    await h.clock.advance(10.0)
+    assert 2 <= len(h.prober.calls) <= 7  # every 2 s, not the 20 ms doubling of a silent process
+    h.spawner.last.healthy = True  # it never printed the line: the probe still finds it
+    await h.clock.advance(2.5)
+    await waiter
+
+
+async def test_each_spawn_gets_a_fresh_token_and_silent_specs_get_none(h: Harness) -> None:
+    h.spawner.on_spawn = announces
+    backend = h.add(announces_ready=True)
+    await backend.ensure_ready()
+    first = h.spawner.last.env[READY_ENV]
+    await backend.stop()
+    await backend.ensure_ready()
+    assert h.spawner.last.env[READY_ENV] != first
+    h.spawner.on_spawn = None
+    await h.add("silent").ensure_ready()
+    assert READY_ENV not in h.spawner.last.env
 
 
 async def test_command_that_cannot_run_is_a_start_failure(h: Harness) -> None:

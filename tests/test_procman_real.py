@@ -315,3 +315,30 @@ def test_under_uvloop_ready_crash_relaunch_and_stop(tmp_path: Path) -> None:
 
     first, second, code = uvloop.run(scenario())
     assert first != second and gone(first) and gone(second) and code == -signal.SIGTERM
+
+
+class NeverReady:
+    """A prober that never sees a 200: only the process's own announcement can end its start."""
+
+    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
+        return False
+
+
+async def test_model_server_announces_readiness_over_its_output_pipe(tmp_path: Path) -> None:
+    low = random.randrange(30000, 39000, 50)
+    pm = ProcessManager(tmp_path / "rt", port_range=(low, low + 49), prober=NeverReady())
+    try:
+        backend = pm.add(
+            BackendSpec(
+                name="announcer", argv=Server("modelserver").argv("uds"), cwd=str(ROOT), announces_ready=True,
+                startup_timeout_s=60.0, health_interval_s=0.0,  # the prober never answers: no probe once ready
+            )
+        )  # fmt: skip
+        address = await backend.ensure_ready()
+        assert backend.state is State.READY
+        assert await HttpProber().probe(address, "/health", 10.0)  # announced only once it really serves
+        assert any(line.startswith("ovrouter-ready ") for line in backend.logs.tail())
+        pid = backend.pid
+    finally:
+        await pm.shutdown()
+    assert pid is not None and gone(pid)
