@@ -115,7 +115,11 @@ ui-deps:  ## chromium for the /ui browser tests, via apt-get when missing
 # Outside `make test`: they need the `ray` extra (installed here into .venv) and ~1-2 minutes.
 .PHONY: test-ray
 
-test-ray: setup  ## the Ray engine's tests (installs the `ray` extra)
-	$(PIP) install -q -e '.[test,bench,ray]'
+test-ray: setup $(VENV)/.ray-installed  ## the Ray engine's tests (installs the `ray` extra)
 	OVROUTER_TEST_RAY=1 $(PY) -m pytest tests/test_ray_engine.py $(PYTEST_ARGS)
+
+# The `ray` extra's requirements as pyproject.toml pins them (no editable reinstall of the project).
+$(VENV)/.ray-installed: pyproject.toml | $(VENV)/.installed
+	$(PIP) install -q $$($(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"])')
+	touch $@
 # ---- end Ray engine ---------------------------------------------------------------------------

@@ -40,6 +40,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "coldstart": ("bench.coldstart", "Cold start: request to first token for a stopped model"),
     "peer_llamacpp": ("bench.peer_llamacpp", "Peer: llama.cpp's server (llama-cpp-python), alone and through ovrouter"),
     "recovery": ("bench.recovery", "Recovery from a fatal error and from kill -9"),
+    "ray": ("bench.raycluster", "Ray engine: cold start through Ray vs local, recovery after node loss"),
     "memory": ("bench.memory", "Memory: router and model servers, and what a stop gives back"),
     "memory_sched": ("bench.memory_sched", "Memory-aware loading vs max_loaded_models (skewed mix)"),
     "scale": ("bench.scale", "Scale: 100 configured models"),
