@@ -94,6 +94,7 @@ class ProcessManager:
         )
         self.cluster = cluster
         self.nodes: Sequence[Node] = ()  # the cluster's nodes at the last placement decision
+        self._nodes_known = False
         self._placed: dict[str, Node] = {}  # key -> the node its room is held on (an engine with nodes)
         self._choice: dict[str, Node] = {}  # key -> the node the last placement decision named
         self.scopes = scopes
@@ -247,6 +248,8 @@ class ProcessManager:
 
     def _place_on_node(self, key: str, name: str, claim: Claim, holders: Sequence[Holder],
                        budgets: Mapping[str, int], ahead: bool) -> Placement:
+        if not self._nodes_known:  # asked before any start read the cluster: nothing to say yet
+            return Placement(False, wait="queued")
         spec = self._spec_of(key, name)
         seats = [Seat(self._placed[h.name].id, h, self._spec_of(h.name, h.name).resources)
                  for h in holders if h.name in self._placed]
@@ -299,7 +302,7 @@ class ProcessManager:
         try:
             while True:
                 if self.cluster is not None:
-                    self.nodes = await self.cluster()
+                    self.nodes, self._nodes_known = await self.cluster(), True
                 room = victims(name, self.loaded(), scopes) if key == name else Room((), True)
                 spot = self.place(key, name)
                 if spot.never is not None:
