@@ -7,6 +7,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,6 +28,15 @@ from router.proxy import forward
 from router.registry import Model
 from router.relay import run_until_disconnect, send_error
 from router.request import ProxyRequest
+from router.responses import (
+    INPUT_TOKENS_PATH,
+    RESPONSES_PATH,
+    ResponsesStream,
+    headers_for,
+    opening,
+    prepare,
+    stored_response_routes,
+)
 from router.service import RouterService, check_key
 from router.ui_routes import console_routes
 
@@ -94,6 +104,27 @@ class _ProxyEndpoint:
         return await request.proxied(scope, receive, self.service.registry)
 
 
+class _ResponsesEndpoint(_ProxyEndpoint):
+    """``POST /v1/responses`` (and ``/input_tokens``): the router's state and stream framing (router/responses.py)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == INPUT_TOKENS_PATH:
+            await super().__call__(scope, receive, send)
+            return
+        tap = scope["ovrouter.responses"] = ResponsesStream(send, self.service.responses)
+        await super().__call__(scope, receive, tap)
+
+    async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
+        model, req = await request.proxied(scope, receive, self.service.registry)
+        prepared = prepare(req.body, self.service.responses)
+        tap: ResponsesStream | None = scope.get("ovrouter.responses")
+        if tap is not None:
+            tap.prepared = prepared
+        headers = [*req.headers, *headers_for(prepared)]
+        start = opening(prepared) if tap is not None and prepared.stream else b""
+        return model, replace(req, body=prepared.body, headers=headers, opening=start)
+
+
 class _UpstreamEndpoint(_ProxyEndpoint):
     """``/upstream/{model}/{path}``: any method and path, raw, to one configured backend."""
 
@@ -114,6 +145,9 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
         return Response(exposition, media_type="text/plain; version=0.0.4")
 
     routes = [Route(path, proxy, methods=["POST"]) for path in OPENAI_ROUTES]  # see _FastPath
+    responses = _ResponsesEndpoint(service)
+    routes += [Route(path, responses, methods=["POST"]) for path in (RESPONSES_PATH, INPUT_TOKENS_PATH)]
+    routes += stored_response_routes(service)
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     routes += client_api.routes()  # /v1/models, /v1/models/{id}, /models, /models/load|unload|sse
     routes += [

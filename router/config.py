@@ -85,6 +85,12 @@ class RouterSettings(_Frozen):
         0, ge=0, description="open client connections; beyond it a new one closes the one idle the longest "
         "(503 when every one has a request under way); 0 = auto (from the open-file limit)"
     )
+    responses_store_max: int = Field(
+        1000, ge=0, description="finished Responses kept for previous_response_id and GET /v1/responses/{id} "
+        "(oldest dropped first); 0 = store none"
+    )
+    responses_store_mb: float = Field(64, gt=0, description="their JSON size, all together, in MiB")
+    responses_store_ttl_s: float = Field(3600, gt=0, description="how long a stored Response is kept")
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"
     )

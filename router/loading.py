@@ -12,8 +12,10 @@ SSE parsers (the OpenAI SDKs, browsers) ignore comment lines, so the stream a cl
 is unchanged. With ``loading_progress: reasoning`` the same text also goes out as a chat
 chunk whose ``delta.reasoning_content`` holds it, for UIs that show a thinking block;
 ``loading_progress: off`` disables the feedback. The estimate is the model's last
-measured load time. Once the head went out, an error (a failed start, a 4xx/5xx from the
-model server) arrives as one ``data: {"error": ...}`` event that ends the stream.
+measured load time. A Responses stream (``/v1/responses``) gets its head and its
+``response.created`` + ``response.in_progress`` events at once (``ProxyRequest.opening``, built
+by :mod:`router.responses`), then the same comment lines. Once the head went out, an error (a
+failed start, a 4xx/5xx from the model server) arrives as one ``data: {"error": ...}`` event that ends the stream.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["Feedback"]
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
-STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 HEAD = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
@@ -52,7 +54,7 @@ def _wants_stream(body: bytes) -> bool:
 class Feedback:
     """The ticker of one request, and what it changes once the model server answers."""
 
-    def __init__(self, model: Model, chat: bool, send: Send, estimate_s: float | None) -> None:
+    def __init__(self, model: Model, chat: bool, send: Send, estimate_s: float | None, opening: bytes = b"") -> None:
         self.model = model
         self.name = model.spec.name
         self.reasoning = chat and getattr(model.spec, "loading_progress", "comments") == "reasoning"
@@ -60,6 +62,7 @@ class Feedback:
         self.estimate_s = estimate_s
         self.head_sent = False
         self.rewrites = False  # the model server's answer is not the stream the head promised
+        self.opening = opening  # sent with the head at once (a Responses stream's created/in_progress)
         self._buffer = b""
         self._lock = asyncio.Lock()
         self._t0 = time.monotonic()
@@ -73,7 +76,7 @@ class Feedback:
         path = req.path.partition("?")[0]
         if req.method != "POST" or path not in STREAMING_PATHS or not _wants_stream(req.body):
             return None
-        return cls(model, path == "/v1/chat/completions", send, estimate_s)
+        return cls(model, path == "/v1/chat/completions", send, estimate_s, req.opening)
 
     def text(self) -> str:
         elapsed = time.monotonic() - self._t0
@@ -81,6 +84,11 @@ class Feedback:
         return f"loading {self.name} {elapsed:.1f}s{estimate}"
 
     async def _tick(self) -> None:
+        if self.opening:
+            async with self._lock:
+                await self.send({"type": "http.response.start", "status": 200, "headers": HEAD})
+                self.head_sent = True
+                await self.send({"type": "http.response.body", "body": self.opening, "more_body": True})
         while True:
             await asyncio.sleep(TICK_S)
             if self.model.backend.state is State.READY:

@@ -57,7 +57,7 @@ from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
 from router.relay import DEATH_GRACE_S, DONE_PATHS, RESPONSE_DROP, Relayed, cut_reason, relay
 from router.request import ProxyRequest
-from router.resume import Plan, Splice, StreamLog, continuation, fatal_event, plan, progress
+from router.resume import Plan, Splice, StreamLog, continuation, fatal_event, finished, plan, progress
 from router.upstream import Upstream, UpstreamReply
 
 __all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
@@ -174,6 +174,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
         async for chunk in resp.iter_chunks(stall_s):
             if fatal_event(chunk):
                 cut = chunk.find(b'data: {"error"')
+                cut = cut if cut >= 0 else chunk.find(b"event: response.failed")
                 await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
                 return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
             await _relay_chunk(job, chunk)
@@ -196,7 +197,8 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
 
 
 def _finished(job: Job, tail: bytes) -> bool:
-    return b"[DONE]" in tail  # StreamLog holds the closing [DONE] back until the stream ended cleanly
+    assert job.plan is not None  # StreamLog holds the closing [DONE] back until the stream ended cleanly
+    return finished(job.plan.kind, tail, job.log.sent if job.log is not None else [])
 
 
 async def _relay_chunk(job: Job, chunk: bytes) -> None:

@@ -50,6 +50,8 @@ ENDPOINT_TASKS: dict[str, tuple[str, ...]] = {
     "/v1/audio/translations": ("transcription",),
     "/tokenize": ("llm", "vlm"),
     "/detokenize": ("llm", "vlm"),
+    "/v1/responses": ("llm", "vlm"),
+    "/v1/responses/input_tokens": ("llm", "vlm"),
 }
 #: Routes whose JSON body may leave out ``model``: llama.cpp's server serves one model, so its clients
 #: (SillyTavern's token counter, for one) send none. See :func:`implied_model`.
@@ -65,6 +67,8 @@ class ProxyRequest:
     headers: list[tuple[str, str]]
     body: bytes
     retryable: bool  # a non-streamed request: safe to send again when nothing reached the client
+    #: a stream's first events, sent at once while its model starts (the Responses API's created/in_progress)
+    opening: bytes = b""
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -11,6 +11,11 @@ the tokens already sent) and relays that stream through a :class:`Splice`, which
 it look like the rest of the first: the same ``id``, ``created`` and ``model``, no second
 role delta, usage summed.
 
+A Responses stream (``/v1/responses``) is continued the same way: the text so far as a final
+assistant input item with ``continue_final_message`` (the model server's message then starts with
+it), ``max_output_tokens`` less what was sent; :class:`router.responses.ResponsesStream` drops the
+openings the continuation repeats, numbers the events and moves the usage.
+
 Only what can be continued faithfully is resumable (:func:`plan`): one choice, no tools,
 no output constraint, no logprobs. Pure functions over bytes and dicts: no I/O.
 """
@@ -23,10 +28,12 @@ from typing import Any, Literal
 
 from router.body import json_or_none
 
-__all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Splice", "StreamLog", "continuation", "fatal_event", "plan",
-           "progress"]
+__all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Splice", "StreamLog", "continuation", "fatal_event", "finished",
+           "plan", "progress"]
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses"]
+#: The events that end a Responses stream (it has no ``[DONE]``).
+TERMINAL_EVENTS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
 
 #: Error events of the model server that mean its process is beyond repair (it exits next).
 FATAL_EVENT_CODES = (b'"engine_fatal"', b'"engine_suspect"')
@@ -50,12 +57,18 @@ def plan(path: str, body: bytes, default_max_tokens: int, chat_ok: bool = True) 
     """
     kind: Kind | None = "chat" if path.startswith("/v1/chat/completions") else (
         "completion" if path.startswith("/v1/completions") else None)
+    if path.partition("?")[0] == "/v1/responses":
+        kind = "responses"  # continued like a chat (continue_final_message); router/responses.py splices it
+    if kind == "responses" and not chat_ok:
+        return None
     if kind is None or (kind == "chat" and not chat_ok):
         return None
     data = json_or_none(body)  # an /upstream body is read raw: bounded here, passed on whatever it holds
     if not isinstance(data, dict) or data.get("stream") is not True or data.get("n", 1) not in (1, None):
         return None
     if data.get("logprobs") or _constrained(data):
+        return None
+    if kind == "responses" and ((data.get("text") or {}).get("format") or {}).get("type") not in (None, "text"):
         return None
     if kind == "completion" and not isinstance(data.get("prompt"), str):
         return None
@@ -163,6 +176,9 @@ def progress(log: StreamLog) -> Progress:
     """Read back what was relayed."""
     seen = Progress()
     for event in events(b"".join(log.sent)):
+        if isinstance(event, dict) and isinstance(event.get("type"), str):  # a Responses stream
+            _responses_event(seen, event)
+            continue
         if event == "[DONE]":
             seen.done = True
             continue
@@ -183,8 +199,41 @@ def progress(log: StreamLog) -> Progress:
     return seen
 
 
+def _responses_event(seen: Progress, event: dict[str, Any]) -> None:
+    kind = event["type"]
+    if kind == "response.output_text.delta":
+        seen.text += str(event.get("delta") or "")
+        seen.tokens += 1
+    elif kind in ("response.completed", "response.incomplete", "response.failed"):
+        seen.done = True
+
+
+def finished(kind: Kind, tail: bytes, sent: list[bytes]) -> bool:
+    """Whether a stream ended cleanly: ``[DONE]`` (held back until the end), or a Responses terminal event."""
+    if kind != "responses":
+        return b"[DONE]" in tail
+    last = sent[-1] if sent else b""
+    return any(marker in last for marker in TERMINAL_EVENTS)
+
+
+def _responses_continuation(p: Plan, seen: Progress) -> dict[str, Any] | None:
+    body = dict(p.body)
+    if body.get("max_output_tokens") is not None:
+        left = int(body["max_output_tokens"]) - seen.tokens
+        if left <= 0:
+            return None
+        body["max_output_tokens"] = left
+    given = body.get("input")
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+    body["input"] = [*items, {"type": "message", "role": "assistant", "content": seen.text}]
+    body["continue_final_message"] = True
+    return body
+
+
 def continuation(p: Plan, seen: Progress) -> dict[str, Any] | None:
     """The body that asks the fresh process for the rest of the answer; None when nothing is left to generate."""
+    if p.kind == "responses":
+        return _responses_continuation(p, seen)
     body = dict(p.body)
     limit_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     limit = body.get(limit_key) or p.default_max_tokens

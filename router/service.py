@@ -19,6 +19,7 @@ from router.events import EventBus
 from router.metrics import Metrics
 from router.registry import Registry
 from router.reload import watch_config
+from router.responses_store import ResponseStore
 from router.upstream import Upstream, UpstreamPool
 
 __all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key"]
@@ -63,6 +64,7 @@ class RouterService:
         self.console = Console(self)
         self.registry.residency.publish = self.events.publish  # evict and rolling events
         self.pool: Upstream = upstream or UpstreamPool()
+        self.responses = ResponseStore(self._store_limits)  # finished Responses (router/responses.py)
         self.started_at = time.time()
         self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}
         self._reload_lock = asyncio.Lock()
@@ -72,6 +74,10 @@ class RouterService:
     @property
     def config(self) -> Config:
         return self.registry.config
+
+    def _store_limits(self) -> tuple[int, int, float]:
+        settings = self.config.router
+        return settings.responses_store_max, int(settings.responses_store_mb * 2**20), settings.responses_store_ttl_s
 
     async def start(self) -> None:
         self.registry.residency.start()

@@ -1,0 +1,141 @@
+"""The Responses API through a real router over fake-engine model servers, with the official ``openai`` SDK:
+create, the strict stream helper, stored conversations (``previous_response_id``, GET, DELETE), tool
+round trips, cold-start feedback, a stream resumed after kill -9, and one that cannot be resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.openai_schema import check
+from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+WORDS = " ".join(f"w{i}" for i in range(24))
+STALLING = WORDS.replace("w11 ", "w11 [[stall]] ")  # silent halfway until the process dies; resumed, it ends
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files",
+               "format": {"type": "grammar", "syntax": "lark", "definition": "start: patch"}}
+
+
+@pytest.fixture
+async def router(tmp_path: Path) -> AsyncIterator[RunningRouter]:
+    models = {"echo": fake_model(fake={"load_s": 0.05, "token_delay_s": 0.02}, aliases=["gpt-5-codex"])}
+    async with running_router(write_config(tmp_path, models, router={"responses_store_max": 50})) as running:
+        yield running
+
+
+@pytest.fixture
+async def sdk(router: RunningRouter) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as client:
+        yield client
+
+
+async def test_create_stream_and_a_stored_conversation(sdk: openai.AsyncOpenAI, router: RunningRouter) -> None:
+    raw = await sdk.responses.with_raw_response.create(model="gpt-5-codex", input="one two three")
+    check(json.loads(raw.text), "Response")
+    first = raw.parse()
+    assert first.output_text == "one two three" and first.usage is not None
+    async with sdk.responses.stream(model="echo", input="four five", previous_response_id=first.id) as stream:
+        second = await stream.get_final_response()
+    assert second.output_text == "four five" and second.previous_response_id == first.id
+    assert second.usage is not None  # the earlier turn (its input and output) is now part of the input
+    assert second.usage.input_tokens == first.usage.input_tokens + first.usage.output_tokens + 2
+    stored = await sdk.responses.retrieve(second.id)
+    assert stored.output_text == "four five" and stored.previous_response_id == first.id
+    items = (await router.client.get(f"/v1/responses/{second.id}/input_items")).json()["data"]
+    assert [item.get("role") for item in items] == ["user", "assistant", "user"]
+    await sdk.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError, match=first.id):
+        await sdk.responses.create(model="echo", input="again", previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError, match="resp_unknown"):
+        await sdk.responses.create(model="echo", input="x", previous_response_id="resp_unknown")
+    unstored = await sdk.responses.create(model="echo", input="x", store=False)
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.retrieve(unstored.id)
+    counted = (await router.client.post("/v1/responses/input_tokens", json={
+        "model": "echo", "input": "four five", "previous_response_id": second.id})).json()
+    assert counted["input_tokens"] == second.usage.input_tokens + second.usage.output_tokens + 2
+
+
+async def test_tool_round_trips_over_previous_response_id(sdk: openai.AsyncOpenAI) -> None:
+    first = await sdk.responses.create(model="echo", input="weather in Paris?", tools=[WEATHER],  # type: ignore[list-item]
+                                       tool_choice="required")
+    call = first.output[0]
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "fake"}
+    answer = await sdk.responses.create(model="echo", previous_response_id=first.id, tools=[WEATHER],  # type: ignore[list-item]
+                                        input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                "output": "sunny"}])
+    assert answer.output_text == "tool result: sunny"
+    async with sdk.responses.stream(model="echo", input="patch the file", tools=[APPLY_PATCH],  # type: ignore[list-item]
+                                    tool_choice={"type": "custom", "name": "apply_patch"}) as stream:
+        patch = await stream.get_final_response()
+    custom = patch.output[0]
+    assert custom.type == "custom_tool_call" and custom.input == "fake"
+    done = await sdk.responses.create(model="echo", previous_response_id=patch.id, tools=[APPLY_PATCH],  # type: ignore[list-item]
+                                      input=[{"type": "custom_tool_call_output", "call_id": custom.call_id,
+                                              "output": "Done!"}])
+    assert done.output_text == "tool result: Done!"
+
+
+async def test_a_cold_model_opens_the_stream_at_once(tmp_path: Path) -> None:
+    models = {"slow": fake_model(fake={"load_s": 1.5, "token_delay_s": 0.01}, loading_progress="comments")}
+    async with running_router(write_config(tmp_path, models)) as router:
+        async with router.client.stream("POST", "/v1/responses", json={
+                "model": "slow", "input": "a b c", "stream": True}) as response:
+            raw = (await response.aread()).decode()
+    blocks = [block for block in raw.split("\n\n") if block.strip()]
+    assert blocks[0].startswith("event: response.created") and blocks[1].startswith("event: response.in_progress")
+    assert any(block.startswith(": loading slow") for block in blocks[2:])  # sent while the model loaded
+    events = _events(raw)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+    assert len({e["response"]["id"] for e in events if "response" in e}) == 1
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "a b c"
+
+
+async def test_a_stream_whose_backend_is_killed_is_resumed(router: RunningRouter) -> None:
+    first = router.backend("echo")
+    await router.client.post("/v1/responses", json={"model": "echo", "input": "warm"})
+    raw = ""
+    async with router.client.stream("POST", "/v1/responses", json={
+            "model": "echo", "input": STALLING, "stream": True}) as response:
+        async for chunk in response.aiter_text():
+            raw += chunk
+            if raw.count("response.output_text.delta\n") == 5 and first.pid is not None:
+                os.kill(first.pid, signal.SIGKILL)
+    events = _events(raw)
+    kinds = [e["type"] for e in events]
+    assert kinds.count("response.created") == 1 and kinds.count("response.output_item.added") == 1
+    assert kinds[-1] == "response.completed" and [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == STALLING == events[-1]["response"]["output"][0]["content"][0]["text"]
+    assert events[-1]["response"]["usage"]["output_tokens"] == 25 and router.backend("echo").restarts == 1
+
+
+async def test_a_stream_that_cannot_be_resumed_ends_with_response_failed(sdk: openai.AsyncOpenAI) -> None:
+    async with sdk.responses.stream(model="echo", input="one two [[crash-mid]] three four") as stream:
+        kinds = [event.type async for event in stream]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.failed"
+    assert sum(kind in ("response.completed", "response.failed", "response.incomplete") for kind in kinds) == 1
+    await asyncio.sleep(0)
+
+
+def _events(raw: str) -> list[dict[str, Any]]:
+    found = []
+    for block in raw.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                found.append(json.loads(line[6:]))
+    return found
