@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
@@ -95,6 +95,8 @@ class ProcessManager:
         self.cluster = cluster
         self.nodes: Sequence[Node] = ()  # the cluster's nodes at the last placement decision
         self._nodes_known = False
+        #: names of the nodes a backend must not start on now (its device is unhealthy there), by backend name
+        self.avoid: Callable[[str], Collection[str]] | None = None
         self._placed: dict[str, Node] = {}  # key -> the node its room is held on (an engine with nodes)
         self._choice: dict[str, Node] = {}  # key -> the node the last placement decision named
         self.scopes = scopes
@@ -254,7 +256,8 @@ class ProcessManager:
         seats = [Seat(self._placed[h.name].id, h, self._spec_of(h.name, h.name).resources)
                  for h in holders if h.name in self._placed]
         choice = choose_node(key, claim.device, claim.size_bytes, spec.resources, self.nodes, seats, budgets,
-                             self._runtime.clock(), pin=spec.node, queued_ahead=ahead)
+                             self._runtime.clock(), pin=spec.node, queued_ahead=ahead,
+                             avoid=self.avoid(name) if self.avoid is not None else ())
         if choice.node is not None:
             self._choice[key] = choice.node
         return choice.placement

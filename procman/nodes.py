@@ -21,7 +21,7 @@ the start pending inside the engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from procman.placement import Holder, Placement, place
@@ -76,12 +76,20 @@ def choose_node(
     *,
     pin: str | None = None,
     queued_ahead: bool = False,
+    avoid: Collection[str] = (),
 ) -> NodeChoice:
-    """Where ``target`` starts, or what it takes; see the module doc."""
+    """Where ``target`` starts, or what it takes; see the module doc. ``avoid``: names of nodes where
+    its device is unhealthy."""
     eligible = [n for n in nodes if n.alive and (pin is None or node_matches(n, pin))]
     eligible = [n for n in eligible if all(n.resources.get(r, 0.0) >= amount for r, amount in resources.items())]
     if not eligible:
         return NodeChoice(None, Placement(False, never=_nowhere(target, resources, nodes, pin)))
+    healthy = [n for n in eligible if n.name not in avoid]
+    if not healthy:
+        names = ", ".join(n.name for n in eligible)
+        return NodeChoice(None, Placement(False, never=f"cannot start {target}: its device is unhealthy on every "
+                                          f"node that could run it ({names}); see /api/status"))
+    eligible = healthy
     options = [(n, _on_node(target, device, size_bytes, resources, n, seats, budgets, now, queued_ahead))
                for n in eligible]
     fitting = [(n, p) for n, p in options if p.fits]

@@ -11,7 +11,9 @@ on it keep running (a model that still works is not taken away).
 
 :class:`DeviceHealth` is pure bookkeeping with an injected clock; :class:`DeviceGuard` ties
 it to the registry: a procman listener that records fatal restarts, and a ``before_start``
-hook in front of procman's own that refuses a start on an unhealthy device.
+hook in front of procman's own that refuses a start on an unhealthy device. On a cluster
+(``router.engine.kind: ray``) a device is counted per node (``<node>/GPU.0``), and placement
+avoids the nodes where a model's device is marked instead of refusing the start.
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ class DeviceHealth:
         """The mark of ``device`` (compared without case: ``gpu.0`` is ``GPU.0``), or None when healthy."""
         return self._unhealthy.get(device.upper())
 
+    def unhealthy_nodes(self, device: str) -> frozenset[str]:
+        """The nodes (of an engine with nodes) whose ``device`` is marked: marks keyed ``<node>/<device>``."""
+        nodes = set()
+        for mark in self._unhealthy.values():
+            node, slash, marked = mark.device.partition("/")
+            if slash and marked.upper() == device.upper():
+                nodes.add(node)
+        return frozenset(nodes)
+
     def reset(self, device: str) -> bool:
         """Clear the mark and the count of ``device``; False when it was not marked."""
         key = device.upper()
@@ -120,6 +131,7 @@ class DeviceGuard:
         manager = registry.manager
         self._start_hook: Callable[[Backend], Awaitable[None]] | None = manager.before_start
         manager.before_start = self.before_start
+        manager.avoid = self.unhealthy_nodes  # on a cluster: a device is marked per node, and placement avoids it
         manager.add_listener(self)
 
     def _device(self, name: str) -> str | None:
@@ -141,7 +153,9 @@ class DeviceGuard:
         device = self._device(backend.name)
         if reason != "fatal" or device is None:
             return
-        mark = self.health.record_fatal(device, backend.name, backend.last_error or "")
+        node = backend.snapshot().get("node")  # on a cluster the same device name exists on every node
+        where = f"{node}/{device}" if node else device
+        mark = self.health.record_fatal(where, backend.name, backend.last_error or "")
         if mark is not None:
             log.error("%s", mark.message())
 
@@ -150,6 +164,11 @@ class DeviceGuard:
         device = self._device(name)
         mark = self.health.unhealthy(device) if device is not None else None
         return mark.message() if mark is not None else None
+
+    def unhealthy_nodes(self, name: str) -> frozenset[str]:
+        """The nodes where model ``name``'s device is marked unhealthy (placement puts it elsewhere)."""
+        device = self._device(name)
+        return self.health.unhealthy_nodes(device) if device is not None else frozenset()
 
     async def before_start(self, backend: Backend) -> None:
         refused = self.refusal(backend.name)

@@ -110,7 +110,7 @@ def management_routes(service: RouterService) -> list[Route]:
         ("/api/models/{name}/logs", logs, "GET"),
         ("/api/status", status, "GET"),
         ("/api/reload", reload, "POST"),
-        ("/api/devices/{device}/reset", reset_device, "POST"),
+        ("/api/devices/{device:path}/reset", reset_device, "POST"),  # path: a node's device is <node>/<device>
     ]
     return [Route(path, _admin(service, handler), methods=[method]) for path, handler, method in plain]
 

@@ -112,3 +112,19 @@ async def test_a_model_server_given_a_token_requires_it_on_every_endpoint(tmp_pa
             reply.close()
         finally:
             await pool.close()
+
+
+def test_a_node_whose_device_is_unhealthy_is_avoided() -> None:
+    assert choose([], avoid={"aaaaaaaa"}).node == N2
+    choice = choose([], avoid={"aaaaaaaa", "bbbbbbbb"})
+    assert choice.node is None and "unhealthy on every node that could run it" in (choice.placement.never or "")
+
+
+def test_device_health_is_kept_per_node() -> None:
+    from router.devices import DeviceHealth
+
+    health = DeviceHealth(threshold=2)
+    health.record_fatal("aaaaaaaa/GPU.0", "m1")
+    assert health.record_fatal("aaaaaaaa/GPU.0", "m2") is not None
+    health.record_fatal("bbbbbbbb/GPU.0", "m3")
+    assert health.unhealthy_nodes("gpu.0") == {"aaaaaaaa"} and health.unhealthy("GPU.0") is None

@@ -264,3 +264,12 @@ def test_a_sigkilled_router_takes_its_model_processes_and_actors_with_it(cluster
             router.kill()
             router.wait(10)
         log.close()
+
+
+async def test_a_model_file_missing_on_the_node_is_a_one_line_503_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    models = {"m": {"task": "llm", "path": str(tmp_path / "absent.gguf"), "placement": {"resources": {"GPU.0": 1}}}}
+    async with running_router(_config(tmp_path, cluster, models)) as router:
+        reply = await _chat(router, "m")
+        assert reply.status_code == 503, reply.text
+        message = reply.json()["error"]["message"]
+        assert "\n" not in message and "on node " in message and "absent.gguf" in message, message
