@@ -49,6 +49,9 @@ WINDOW_S = 300.0  # requests/min, TTFT p50 and tokens/s look this far back
 SPARK_BUCKETS, SPARK_BUCKET_S = 30, 10.0
 _USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"prompt_tokens"\s*:\s*(\d+)[^{}]*?"completion_tokens"\s*:\s*(\d+)')
 _TOKEN_EVENT = b'"finish_reason":null'
+#: The Responses API's (modelserver/api/responses.py): text deltas, and usage as input/output tokens.
+_RESPONSES_TOKEN_EVENT = b'"type":"response.output_text.delta"'
+_RESPONSES_USAGE = re.compile(rb'"usage"\s*:\s*\{\s*"input_tokens"\s*:\s*(\d+).*?"output_tokens"\s*:\s*(\d+)', re.S)
 
 _CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("ovrouter_request", default=None)
 
@@ -272,8 +275,8 @@ class _Watcher:
 
     def _observe(self, body: bytes) -> None:
         record = self.record
-        events = body.count(_TOKEN_EVENT)
-        if self._opening and events and b'"role"' in body:
+        events = body.count(_TOKEN_EVENT) or body.count(_RESPONSES_TOKEN_EVENT)
+        if self._opening and events and b'"role"' in body and _TOKEN_EVENT in body:
             events -= 1  # the chat stream's opening chunk carries the role, not a token
         self._opening = False
         if events:
@@ -289,7 +292,7 @@ class _Watcher:
         """``usage`` of the answer: the last one in the body (OpenAI servers put it last), digits only."""
         record = self.record
         at = body.rfind(b'"usage"')
-        found = _USAGE.match(body, at) if at >= 0 else None
+        found = (_USAGE.match(body, at) or _RESPONSES_USAGE.match(body, at)) if at >= 0 else None
         if found:
             record.prompt_tokens, record.completion_tokens = int(found[1]), int(found[2])
             return

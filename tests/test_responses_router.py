@@ -4,7 +4,6 @@ round trips, cold-start feedback, a stream resumed after kill -9, and one that c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -51,6 +50,9 @@ async def test_create_stream_and_a_stored_conversation(sdk: openai.AsyncOpenAI, 
     assert second.output_text == "four five" and second.previous_response_id == first.id
     assert second.usage is not None  # the earlier turn (its input and output) is now part of the input
     assert second.usage.input_tokens == first.usage.input_tokens + first.usage.output_tokens + 2
+    records = [r for r in router.service.console.activity.recent if r.path == "/v1/responses"]
+    assert (records[0].prompt_tokens, records[0].completion_tokens) == (3, 3)  # usage read for the metrics
+    assert records[1].ttft_s is not None and records[1].completion_tokens == 2  # and the stream's tokens
     stored = await sdk.responses.retrieve(second.id)
     assert stored.output_text == "four five" and stored.previous_response_id == first.id
     items = (await router.client.get(f"/v1/responses/{second.id}/input_items")).json()["data"]
@@ -124,12 +126,19 @@ async def test_a_stream_whose_backend_is_killed_is_resumed(router: RunningRouter
     assert events[-1]["response"]["usage"]["output_tokens"] == 25 and router.backend("echo").restarts == 1
 
 
-async def test_a_stream_that_cannot_be_resumed_ends_with_response_failed(sdk: openai.AsyncOpenAI) -> None:
-    async with sdk.responses.stream(model="echo", input="one two [[crash-mid]] three four") as stream:
-        kinds = [event.type async for event in stream]
+@pytest.mark.parametrize("tools", [[], [WEATHER]], ids=["poison-text", "tool-call"])
+async def test_a_stream_that_cannot_be_resumed_ends_with_response_failed(sdk: openai.AsyncOpenAI,
+                                                                         tools: list[Any]) -> None:
+    """A poison text stream (it kills the resumed process too) and a tool call (never resumed)."""
+    extra: dict[str, Any] = {"tools": tools, "tool_choice": "required"} if tools else {}
+    async with sdk.responses.stream(model="echo", input="one two [[crash-mid]] three four", **extra) as stream:
+        events = [event async for event in stream]
+    kinds = [event.type for event in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.failed"
     assert sum(kind in ("response.completed", "response.failed", "response.incomplete") for kind in kinds) == 1
-    await asyncio.sleep(0)
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.error is not None
+    assert "echo" in failed.response.error.message
 
 
 def _events(raw: str) -> list[dict[str, Any]]:

@@ -326,6 +326,16 @@ def test_llava_stream_matches_the_whole_answer(llava: ModelServerProcess) -> Non
     assert whole["choices"][0]["finish_reason"] == "length"
 
 
+def test_llava_takes_an_input_image_on_the_responses_api(llava: ModelServerProcess) -> None:
+    ask = {"type": "input_text", "text": ASK["text"]}
+    image = {"type": "input_image", "image_url": IMAGE["image_url"]["url"]}  # type: ignore[index]
+    with llava.client() as client:
+        text_only = client.post("/v1/responses", json={"input": [{"role": "user", "content": [ask]}]}).json()
+        seen = client.post("/v1/responses", json={"input": [{"role": "user", "content": [ask, image]}]}).json()
+    assert seen["status"] in ("completed", "incomplete") and seen["output"][0]["type"] == "message"
+    assert seen["usage"]["input_tokens"] >= text_only["usage"]["input_tokens"] + 16  # the image's patches
+
+
 async def test_llava_serves_concurrent_requests_in_turn(llava: ModelServerProcess) -> None:
     async with llava.async_client() as client:
         bodies = [vision([ASK, IMAGE], max_tokens=4, seed=i, **NO_EOS) for i in range(3)]
