@@ -262,7 +262,7 @@ async def _collect(request: Request, run: chat_api.Run, output: Output, parser: 
     parsed = parse_tool_calls(parser, drop_cut_call(parser, text) if run.finish == "length" else text)
     if parsed.content:
         output.text(parsed.content)
-        output.close_message()
+        output.close_message("incomplete" if run.finish == "length" else "completed")
     for call in parsed.calls:
         output.call(call)
 
@@ -294,7 +294,8 @@ async def _item_events(run: chat_api.Run, output: Output, parser: str | None) ->
     async for delta in run.deltas():
         for event in _split(output, *splitter.push(delta)):
             yield event
-    for event in _split(output, *splitter.finish(cut=run.finish == "length")) + output.close_message():
+    status = "incomplete" if run.finish == "length" else "completed"
+    for event in _split(output, *splitter.finish(cut=run.finish == "length")) + output.close_message(status):
         yield event
 
 
