@@ -120,6 +120,7 @@ test-ray: setup $(VENV)/.ray-installed  ## the Ray engine's tests (installs the 
 
 # The `ray` extra's requirements as pyproject.toml pins them (no editable reinstall of the project).
 $(VENV)/.ray-installed: pyproject.toml | $(VENV)/.installed
-	$(PIP) install -q $$($(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"])')
+	$(PY) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["ray"], sep="\n")' \
+	  | xargs -d '\n' $(PIP) install -q
 	touch $@
 # ---- end Ray engine ---------------------------------------------------------------------------
