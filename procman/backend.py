@@ -647,7 +647,7 @@ class Backend:
         cause = process.exit_cause(code, self.logs.since(running.log_mark, process.CAUSE_LINES),
                                    self.spec.fatal_patterns)
         blamed = cause == "crash" and self.counters.in_flight == 1 and not process.external_signal(code)
-        return m.Exited(generation, cause, blamed)
+        return m.Exited(generation, cause, blamed, lost=process.node_lost(running))
 
 
 class Death(NamedTuple):

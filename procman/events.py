@@ -90,11 +90,13 @@ class Started:
 @dataclass(frozen=True, slots=True)
 class Exited:
     """The READY process of ``generation`` exited on its own: a ``crash``, or ``fatal`` when its last
-    lines name a device failure. ``blamed``: the request it was serving alone is the likely cause."""
+    lines name a device failure. ``blamed``: the request it was serving alone is the likely cause.
+    ``lost``: its node went away (an engine with nodes), no fault of the process: no failure is counted."""
 
     generation: int
     cause: Literal["crash", "fatal"] = "crash"
     blamed: bool = False
+    lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,8 +280,9 @@ def _on_hung(state: State, e: Hung, c: Counters, p: Policy, now: float) -> Decis
 def _on_exited(state: State, e: Exited, c: Counters, p: Policy, now: float) -> Decision:
     if state is not S.READY or e.generation != c.generation:
         return _same(state, c)
-    # READY -> BACKOFF: the process is gone already, nothing to stop; a poison request's doing is no failure
-    failures = failures_now(state, c, p, now) + (not e.blamed)
+    # READY -> BACKOFF: the process is gone already, nothing to stop; a poison request's doing, or a lost
+    # node, is no failure
+    failures = failures_now(state, c, p, now) + (not e.blamed and not e.lost)
     pending_stop, stop_reason = c.draining and c.then == "stop", c.reason or "stop"
     c = c._replace(failures=failures, backoff_until=now + backoff_delay(failures, p.restart), reason=e.cause,
                 ready_at=None, draining=False, then="stop", auto=not pending_stop, died=True)

@@ -39,6 +39,7 @@ __all__ = [
     "kill",
     "kill_now",
     "launch",
+    "node_lost",
     "signal_name",
     "terminate",
     "watch",
@@ -282,6 +283,12 @@ EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, sig
 def external_signal(code: int | None) -> bool:
     """Whether exit ``code`` means the process was killed from outside (by a signal it did not raise itself)."""
     return code is not None and code < 0 and -code in EXTERNAL_SIGNALS
+
+
+def node_lost(running: Running) -> bool:
+    """Whether the process ended because its node (or its actor) went away: an engine with nodes says so on
+    its handle (``lost``); a local process never is."""
+    return getattr(running.handle, "lost", False) is True
 
 
 def exit_words(code: int | None) -> str:

@@ -183,6 +183,8 @@ class RayHandle:
         self._pid = pid
         self.where = where
         self._returncode: int | None = None
+        self._killed = False  # ovrouter killed the actor itself (a SIGKILL of the process)
+        self.lost = False  # the actor or its node went away without ovrouter asking: not the process's fault
         self._pump = asyncio.get_running_loop().create_task(self._pump_lines(on_line))
 
     @property
@@ -214,11 +216,14 @@ class RayHandle:
                 if time.monotonic() - unreachable_since > UNAVAILABLE_S:
                     log.warning("%s pid=%d: node %s unreachable for %gs; taken as lost", self.where.name, self._pid,
                                 self.where.node_name, UNAVAILABLE_S)
+                    self.lost = not self._killed
                     return -signal.SIGKILL
                 await asyncio.sleep(0.5)
             except exceptions.RayError as exc:  # ActorDiedError: ray.kill, or its node is gone
-                log.warning("%s pid=%d on node %s: its actor is gone (%s)", self.where.name, self._pid,
-                            self.where.node_name, _first_line(exc))
+                if not self._killed:
+                    self.lost = True
+                    log.warning("%s pid=%d on node %s: its actor is gone (%s)", self.where.name, self._pid,
+                                self.where.node_name, _first_line(exc))
                 return -signal.SIGKILL
 
     def signal_group(self, sig: int) -> None:
@@ -226,6 +231,7 @@ class RayHandle:
             return
         self._actor.signal.remote(sig)  # fire and forget: a gone actor is no error here
         if sig == signal.SIGKILL:
+            self._killed = True
             _kill(self._ray, self._actor)  # an unreachable node cannot deliver it: the actor's death does
 
     async def _pump_lines(self, on_line: LineCallback) -> None:

@@ -346,6 +346,13 @@ def test_ready_to_backoff_on_a_poison_crash_counts_no_failure_and_relaunches_at_
     assert c.failures == 0 and effects[-1] == FollowUp(RetryDue())
 
 
+def test_ready_to_backoff_on_a_lost_node_counts_no_failure_and_relaunches_at_once() -> None:
+    state, c, effects = row(S.READY, Exited(generation=1, lost=True), C._replace(ready_at=NOW - 1))
+    assert state is S.BACKOFF and c.failures == 0 and effects[-1] == FollowUp(RetryDue())
+    _, c, _ = row(S.READY, Exited(generation=1, lost=True), C._replace(failures=1, ready_at=NOW - 1))
+    assert c.failures == 1  # counted failures stay as they were
+
+
 def test_ready_to_backoff_on_a_fatal_exit_is_reported_as_fatal() -> None:
     _, c, effects = row(S.READY, Exited(generation=1, cause="fatal"))
     assert c.reason == "fatal" and Notify("restart", "fatal") in effects and Blame("fatal") in effects
