@@ -15,26 +15,32 @@ A stream is resumable when :func:`router.resume.plan` says so; everything else t
 plain path of :func:`router.relay.relay`, chunk by chunk, unchanged.
 
 **Suspects run one at a time.** The requests of a death shared by several (:func:`router.blame.suspect`)
-take their second try through the model's *suspect lane* (``Model.suspects``), one at a time, so a
-poison request among them takes no other suspect down with it and the innocent ones are served.
-Ordinary requests never wait for the lane. The lane is taken before the lease and given back when
-its answer begins (the response head; a resumed stream's first event) — a poison request would have taken
-the process down before — or after :func:`_lane_hold_s` at most (the time a hang needs to be found).
+take their second try through the model's *suspect lane* (:class:`router.lane.SuspectLane`), one at a
+time, and new requests of the model wait while suspects are served, so a poison request's retry runs
+alone: it takes nobody down with it and is the one named, and the innocent ones are served. The lane
+is taken before the lease and given back when the suspect's answer begins (the response head; a
+resumed stream's first event) — a poison request would have taken the process down before — or after
+:func:`_lane_hold_s` at most (the time a hang needs to be found); a new request waits twice that at most.
+Requests already running are never waited for.
 
-**Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56): it made every request of
-the model wait at a gate while a suspect waited or ran, and a suspect wait for the requests running
-before it — and a request awaited its process's restart (``await backend.restart(...)``, after a fatal
-event or a stall) *inside* its lease and its turn at the gate. procman answers a restart command only
-when the backend is settled and not draining (``Backend._settling``), and a drain (an unload, a reload
-of a changed model, the retiring process of a rolling change) waits for every lease to end. So once a
-drain began while a request awaited its restart, the drain waited for the request's lease, the restart's
-answer waited for the drain, and the gate held every other request of the model behind both: the
-model stopped for ``drain_timeout_s`` (300 s by default), which the chaos soak saw as a deadlock. The
-cycle existed without the gate too (one request held for ``drain_timeout_s``); the gate made it stop
-the whole model. Now nothing awaits a command while holding a lease: the restart is queued (procman
-takes it in before any later request, so the next attempt lands on the fresh process) and the next
-attempt's own lease waits for readiness; suspects wait for each other only, holding no lease, and
-ordinary requests wait for nothing.
+**Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56; the soak's logs were not
+kept, so this is read from the code). Its gate chained three waits. (1) A suspect waited for *every*
+request running before it to end — a stream of any length, or a request parked behind a drain
+(``drain_timeout_s``, 300 s by default) — while every new request of the model waited for the suspect:
+the model's whole traffic stopped for as long as the longest of those. (2) A suspect held the gate to
+the end of its answer, a whole resumed stream included. (3) A request awaited its process's restart
+(``await backend.restart(...)``, after a fatal event or a stall) *inside* its lease and its turn at the
+gate; procman answers a restart command only once the backend is settled and not draining
+(``Backend._settling``), and a drain (an unload, a stop-first reload, the retiring process of a rolling
+change) waits for every lease to end — so a restart naming a process already replaced while its
+successor drained waited for the drain, the drain for the request's lease: a true cycle, broken only by
+``drain_timeout_s``, with the gate holding the model's other requests behind it. The chaos soak's clients
+give up after 60 s, and saw any of these as a deadlock. Now nothing awaits a command while holding a
+lease (the restart is queued: procman takes it in before any later request, so the next attempt lands
+on the fresh process, and the attempt's own lease waits for readiness); running requests are never
+waited for; a suspect gives the lane back when its answer begins, or after a bound; and a new request
+waits for the suspects a bounded time. Suspects wait for each other, new requests for the suspects,
+neither holding a lease, and every wait ends.
 """
 
 from __future__ import annotations
@@ -255,28 +261,18 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
 
 @asynccontextmanager
 async def _lane(job: Job) -> AsyncIterator[None]:
-    """A suspect's turn in the model's suspect lane (others' suspects wait; ordinary requests pass)."""
+    """A suspect's turn in the model's suspect lane; an ordinary request first waits for the suspects."""
+    lane, hold_s = job.model.suspects, _lane_hold_s(job)
     if not job.suspect:
+        await lane.ordinary(hold_s * 2)
         yield
         return
-    lane = job.model.suspects
-    await lane.acquire()
-    held = True
-
-    def release() -> None:
-        nonlocal held
-        if held:
-            held = False
-            lane.release()
-
-    timer = asyncio.get_running_loop().call_later(_lane_hold_s(job), release)
-    job.leave_lane = release
-    try:
-        yield
-    finally:
-        timer.cancel()
-        job.leave_lane = None
-        release()
+    async with lane.suspect(hold_s) as leave:
+        job.leave_lane = leave
+        try:
+            yield
+        finally:
+            job.leave_lane = None
 
 
 def _lane_hold_s(job: Job) -> float:

@@ -16,6 +16,7 @@ from typing import Any
 from modelserver.spec import ModelSpec
 from procman import LOADED, Backend, BackendUnavailable, ProcessManager, Scope, State
 from router.config import Config
+from router.lane import SuspectLane
 from router.launch import backend_spec
 from router.limits import MIB, BodyBudget, Limiter
 from router.metrics import Metrics
@@ -45,9 +46,9 @@ class Model:
     spec: ModelSpec
     backend: Backend
     limiter: Limiter
-    #: The suspect lane: the retries of requests caught together in a death run one at a time
-    #: (router.recovery; acquired outside any lease, never while holding one).
-    suspects: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The suspect lane: the retries of requests caught together in a death run one at a time, new requests
+    #: wait for them (router.recovery; waited for outside any lease, never while holding one).
+    suspects: SuspectLane = field(default_factory=SuspectLane)
 
 
 class Registry:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from router.httpclient import UpstreamError
+from router.lane import SuspectLane
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router
 
 pytestmark = pytest.mark.timeout(30)
@@ -155,3 +156,31 @@ async def test_a_poison_request_to_a_model_being_evicted_takes_no_innocent_down(
         assert_served(innocents.result(), clean)
         assert_served(evicting.result(), ["for the other model"])
         assert poison.result().status == 502 and server.sent[f"bad {POISON}"] <= 2
+
+
+async def test_the_lane_runs_suspects_one_at_a_time_and_holds_new_requests_a_bounded_time() -> None:
+    lane, order = SuspectLane(), []
+    first_in = asyncio.Event()
+
+    async def suspect(name: str, hold_s: float = 5.0, leave_early: bool = False) -> None:
+        async with lane.suspect(hold_s) as leave:
+            order.append(f"{name} in")
+            first_in.set()
+            if leave_early:
+                leave()  # its answer began: the next one goes while it finishes
+            await asyncio.sleep(0.05)
+            order.append(f"{name} out")
+
+    one = asyncio.ensure_future(suspect("a", leave_early=True))
+    two = asyncio.ensure_future(suspect("b"))
+    await first_in.wait()
+    ordinary = asyncio.ensure_future(lane.ordinary(bound_s=5.0))
+    await asyncio.sleep(0)
+    assert not ordinary.done() and lane.pending == 2  # new requests wait while suspects are served
+    await asyncio.wait_for(asyncio.gather(one, two, ordinary), BOUND_S)
+    assert order[:2] == ["a in", "b in"] and lane.pending == 0  # a left early: b did not wait for its end
+
+    stuck = asyncio.ensure_future(suspect("c", hold_s=0.05))  # holds past its bound: the lane goes on anyway
+    await asyncio.sleep(0)
+    await asyncio.wait_for(asyncio.gather(suspect("d"), lane.ordinary(bound_s=0.01)), BOUND_S)
+    await stuck
