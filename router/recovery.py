@@ -20,7 +20,9 @@ time, and new requests of the model wait while suspects are served, so a poison 
 alone: it takes nobody down with it and is the one named, and the innocent ones are served. The lane
 is taken before the lease and given back when the suspect's answer begins (the response head; a
 resumed stream's first event) — a poison request would have taken the process down before — or after
-:func:`_lane_hold_s` at most (the time a hang needs to be found); a new request waits twice that at most.
+:func:`_lane_hold_s` at most (the time a hang needs to be found); a new request waits ``ORDINARY_WAIT_S``
+at most (a poison that crashes shows at once; beside a hung one, a new request dies as a suspect and is
+retried in turn).
 Requests already running are never waited for.
 
 **Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56; the soak's logs were not
@@ -71,6 +73,9 @@ __all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
 log = logging.getLogger(__name__)
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
+#: How long a new request waits while suspects are served: time for a poison request that crashes its
+#: process at once to show (then its retry ran alone); a hang takes longer, and new requests go on beside it.
+ORDINARY_WAIT_S = 5.0
 
 
 class RequestCrashedModel(BadGateway):
@@ -262,12 +267,12 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
 @asynccontextmanager
 async def _lane(job: Job) -> AsyncIterator[None]:
     """A suspect's turn in the model's suspect lane; an ordinary request first waits for the suspects."""
-    lane, hold_s = job.model.suspects, _lane_hold_s(job)
+    lane = job.model.suspects
     if not job.suspect:
-        await lane.ordinary(hold_s * 2)
+        await lane.ordinary(ORDINARY_WAIT_S)
         yield
         return
-    async with lane.suspect(hold_s) as leave:
+    async with lane.suspect(_lane_hold_s(job)) as leave:
         job.leave_lane = leave
         try:
             yield
