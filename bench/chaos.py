@@ -202,7 +202,11 @@ class Chaos:
         target = self.rng.choice(FAULTED)
         self.tally.actions[action] += 1
         log.info("chaos: %s %s", action, target)
-        await getattr(self, action)(target)
+        try:
+            await getattr(self, action)(target)
+        except OSError as exc:  # an /api call past its 30 s (TimeoutError) or refused: counted, the run goes on
+            log.warning("chaos: %s %s failed: %r", action, target, exc)
+            self.tally.actions[f"{action} failed"] += 1
 
     async def kill(self, name: str) -> None:
         await asyncio.to_thread(signal_model, self.router, name, signal.SIGKILL)
