@@ -70,6 +70,18 @@ async def test_create_stream_and_a_stored_conversation(sdk: openai.AsyncOpenAI, 
     assert counted["input_tokens"] == second.usage.input_tokens + second.usage.output_tokens + 2
 
 
+async def test_langchain_chat_openai_on_the_responses_api(router: RunningRouter) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model="echo", base_url=router.url + "/v1", api_key="x", use_responses_api=True,  # type: ignore[arg-type]
+                      max_retries=0)
+    answer = await chat.ainvoke("hello from langchain")
+    assert answer.text == "hello from langchain" and answer.usage_metadata is not None
+    called = await chat.bind_tools([WEATHER], tool_choice="get_weather").ainvoke("weather in Oslo?")
+    assert called.tool_calls and called.tool_calls[0]["name"] == "get_weather"
+    assert called.tool_calls[0]["args"] == {"city": "fake"}
+
+
 async def test_tool_round_trips_over_previous_response_id(sdk: openai.AsyncOpenAI) -> None:
     first = await sdk.responses.create(model="echo", input="weather in Paris?", tools=[WEATHER],  # type: ignore[list-item]
                                        tool_choice="required")
@@ -124,6 +136,17 @@ async def test_a_stream_whose_backend_is_killed_is_resumed(router: RunningRouter
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == STALLING == events[-1]["response"]["output"][0]["content"][0]["text"]
     assert events[-1]["response"]["usage"]["output_tokens"] == 25 and router.backend("echo").restarts == 1
+
+
+async def test_a_fatal_engine_error_mid_stream_is_resumed(router: RunningRouter) -> None:
+    """The model server's response.failed (engine_fatal) is cut off; the fresh process continues the text."""
+    text = WORDS.replace("w11 ", "w11 [[fatal-mid]] ")
+    response = await router.client.post("/v1/responses", json={"model": "echo", "input": text, "stream": True})
+    events = _events(response.text)
+    kinds = [e["type"] for e in events]
+    assert "response.failed" not in kinds and kinds[-1] == "response.completed" and kinds.count("response.created") == 1
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+    assert router.backend("echo").restarts == 1
 
 
 @pytest.mark.parametrize("tools", [[], [WEATHER]], ids=["poison-text", "tool-call"])
