@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: router settings that only take effect when the router itself restarts.
 RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range", "head_timeout_s", "body_timeout_s",
-                         "keep_alive_timeout_s", "max_connections")
+                         "keep_alive_timeout_s", "max_connections", "engine")
 
 
 def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> None:
