@@ -160,8 +160,8 @@ class RaySpawner:
 
         self._count += 1
         actor = self._actor_class.options(
-            name=f"{ACTOR_PREFIX}{where.name}-{self._count}", namespace=self.namespace,
-            resources=dict(where.resources), scheduling_strategy=NodeAffinitySchedulingStrategy(where.node, soft=False),
+            name=f"{ACTOR_PREFIX}{where.name}-{self._count}", namespace=self.namespace, **_ray_resources(where),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(where.node, soft=False),
         ).remote()
         try:
             pid = await asyncio.wait_for(actor.start.remote(list(argv), dict(env), cwd, sys.executable),
@@ -248,6 +248,17 @@ class RayHandle:
                     log.exception("log line callback failed")
             if done:
                 return
+
+
+#: Resources Ray takes only as their own options (``resources=`` refuses them).
+_OPTION_OF = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
+
+
+def _ray_resources(where: Where) -> dict[str, Any]:
+    """``placement.resources`` as actor options: ``CPU``/``GPU``/``memory`` by their own keywords, the rest custom."""
+    options: dict[str, Any] = {"resources": {k: v for k, v in where.resources.items() if k not in _OPTION_OF}}
+    options.update({_OPTION_OF[k]: v for k, v in where.resources.items() if k in _OPTION_OF})
+    return options
 
 
 def _node(raw: Mapping[str, Any]) -> Node:

@@ -128,3 +128,11 @@ def test_device_health_is_kept_per_node() -> None:
     assert health.record_fatal("aaaaaaaa/GPU.0", "m2") is not None
     health.record_fatal("bbbbbbbb/GPU.0", "m3")
     assert health.unhealthy_nodes("gpu.0") == {"aaaaaaaa"} and health.unhealthy("GPU.0") is None
+
+
+def test_ray_takes_cpu_gpu_and_memory_as_their_own_options() -> None:
+    from procman.rayengine import _ray_resources
+    from procman.spawner import Where
+
+    where = Where("m", "n", "127.0.0.1", {"GPU.0": 1, "CPU": 2, "GPU": 1})
+    assert _ray_resources(where) == {"resources": {"GPU.0": 1}, "num_cpus": 2, "num_gpus": 1}
