@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Send
 
+from router.body import parse_json
 from router.errors import BadRequest, NotFound
 from router.responses_store import ResponseStore
 
@@ -69,7 +70,9 @@ class Prepared:
 
 def prepare(body: bytes, store: ResponseStore) -> Prepared:
     """The body with a previous response's conversation in front of its input (400 for an unknown id)."""
-    data = json.loads(body)  # valid JSON: the model was routed from it
+    data = parse_json(body, "the Responses API takes a JSON object with `model` and `input`")  # not a form
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object with `model` and `input`")
     previous = data.pop("previous_response_id", None)
     items = _items(data.get("input"))
     if previous is not None:
