@@ -44,6 +44,8 @@ __all__ = [
     "SuspectEngineError",
     "Unauthorized",
     "UnsupportedParameter",
+    "anthropic_error_body",
+    "anthropic_error_response",
     "classify",
     "matches",
     "error_body",
@@ -179,3 +181,19 @@ def error_body(exc: ModelServerError) -> dict[str, Any]:
 def error_response(exc: ModelServerError) -> JSONResponse:
     """The one translation of an error into HTTP: status, headers and the JSON body."""
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
+
+
+#: Anthropic's error ``type`` by HTTP status (the Messages API's routes answer in its shape).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(exc: ModelServerError) -> dict[str, Any]:
+    """Anthropic's error object; ``code`` (ours) rides along, so the router still tells a fatal error."""
+    kind = ANTHROPIC_TYPES.get(exc.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message, "code": exc.code}}
+
+
+def anthropic_error_response(exc: ModelServerError) -> JSONResponse:
+    """:func:`error_response` in Anthropic's shape, for the Messages API's routes."""
+    return JSONResponse(anthropic_error_body(exc), status_code=exc.status, headers=exc.headers())

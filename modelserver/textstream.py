@@ -72,6 +72,7 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         """Add ``text``; return what is safe to emit. After a match, :attr:`stopped` is True."""
@@ -81,6 +82,7 @@ class StopMatcher:
         cut = self._first_match(buffer)
         if cut is not None:
             self.stopped = True
+            self.matched = min(self._stops, key=lambda stop: (i if (i := buffer.find(stop)) >= 0 else len(buffer)))
             self._pending = ""
             return buffer[:cut]
         hold = self._held_suffix(buffer)

@@ -37,7 +37,7 @@ from router.responses import (
     prepare,
     stored_response_routes,
 )
-from router.service import RouterService, check_key
+from router.service import RouterService, check_key, credential, credential_of
 from router.ui_routes import console_routes
 
 __all__ = ["build_app"]
@@ -55,6 +55,8 @@ OPENAI_ROUTES = (
     "/v1/audio/translations",
     "/tokenize",
     "/detokenize",
+    "/v1/messages",  # Anthropic's Messages API (errors in its shape: router.errors.body_for)
+    "/v1/messages/count_tokens",
 )
 
 
@@ -71,7 +73,8 @@ class _ProxyEndpoint:
         try:
             keys = self.service.config.router.api_keys
             if keys:  # open: not even the header to look for
-                check_key(request.header(scope, b"authorization"), keys, "api_keys")
+                presented = credential(request.header(scope, b"authorization"), request.header(scope, b"x-api-key"))
+                check_key(presented, keys, "api_keys")
             charge = request.body_charge(scope, self.service.registry.max_body_bytes)
             await bodies.take(charge)  # before the body is read: memory stays bounded (503 when full)
             held = charge
@@ -82,16 +85,16 @@ class _ProxyEndpoint:
             activity, pool, client = self.service.console.activity, self.service.pool, request.client_of(scope)
             status, gone = await run_until_disconnect(
                 lambda s: activity.run(model, req, client, s, lambda s2: forward(model, req, pool, s2)),
-                receive, send,
+                receive, send, scope["path"],
             )
             if gone:
                 log.info("%s %s: client disconnected, upstream closed", name, req.path)
         except RouterError as exc:
             status = exc.status
-            await send_error(send, exc)
+            await send_error(send, exc, scope["path"])
         except Exception:  # never a traceback or an HTML page to the client
             log.exception("unhandled error proxying %s", scope["path"])
-            await send_error(send, RouterError("internal router error; see the router log"))
+            await send_error(send, RouterError("internal router error; see the router log"), scope["path"])
         finally:
             bodies.give(held)
             self._count(name, status, time.perf_counter() - started)
@@ -139,7 +142,7 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
         return JSONResponse({"status": "ok", "models": len(service.registry.models)})
 
     async def metrics(request: Request) -> Response:
-        check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
+        check_key(credential_of(request.headers), service.config.router.effective_admin_keys, "admin_keys")
         await service.console.refresh()
         exposition = service.metrics.render(service.config.router.metrics_names)
         return Response(exposition, media_type="text/plain; version=0.0.4")
@@ -173,7 +176,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _router_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RouterError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -27,7 +27,7 @@ from router.errors import BadRequest, ModelNotFound, PayloadTooLarge, unavailabl
 from router.events import Subscription
 from router.modelstatus import KIND, MODALITIES, StatusBus
 from router.registry import Model
-from router.service import RouterService, check_key
+from router.service import RouterService, check_key, credential_of
 
 __all__ = ["ClientApi", "context_fields"]
 
@@ -84,7 +84,7 @@ class ClientApi:
             async def guarded(request: Request) -> Response:
                 settings = self.service.config.router
                 keys = settings.api_keys if which == "api_keys" else settings.effective_admin_keys
-                check_key(request.headers.get("authorization"), keys, which)
+                check_key(credential_of(request.headers), keys, which)
                 return await handler(request)
 
             return guarded

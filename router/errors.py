@@ -13,7 +13,10 @@
      └ GatewayTimeout           504  backend_timeout
 
 Every body is ``{"error": {"message", "type", "param", "code"}}`` (``param`` null when no single
-parameter is at fault), the OpenAI spec's ``ErrorResponse``; nothing else ever reaches a client.
+parameter is at fault), the OpenAI spec's ``ErrorResponse``; nothing else ever reaches a client,
+except on the Anthropic Messages API's routes (:data:`ANTHROPIC_PATHS`), whose clients get
+Anthropic's ``{"type": "error", "error": {"type", "message"}}`` (:func:`body_for`):
+``not_found_error`` for an unknown model, ``authentication_error``, ``overloaded_error`` for a 503.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ __all__ = [
     "ServiceUnavailable",
     "TooManyRequests",
     "Unauthorized",
+    "anthropic_error",
+    "body_for",
     "client_line",
     "error_body",
     "error_response",
@@ -116,9 +121,27 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
     return json.dumps({"error": error}).encode()
 
 
-def error_response(exc: RouterError) -> Response:
-    body = error_body(exc.message, exc.type, exc.code, exc.param)
-    return Response(body, status_code=exc.status, headers=exc.headers())
+def error_response(exc: RouterError, path: str = "") -> Response:
+    return Response(body_for(exc, path), status_code=exc.status, headers=exc.headers())
+
+
+#: Routes whose clients speak Anthropic's Messages API: their errors take its shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
+#: Anthropic's error ``type`` by HTTP status (the model server's Messages routes use the same table).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, object]:
+    """Anthropic's error object: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def body_for(exc: RouterError, path: str) -> bytes:
+    """The body of ``exc`` on ``path``: Anthropic's shape on its routes, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return json.dumps(anthropic_error(exc.status, exc.message)).encode()
+    return error_body(exc.message, exc.type, exc.code, exc.param)
 
 
 #: Retry-After of a model in backoff whose error did not say how long (it always should).

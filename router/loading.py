@@ -9,13 +9,15 @@ not READY as the request arrives, the router answers the response head (200,
     : loading smollm2 2.0s of ~3.1s
 
 SSE parsers (the OpenAI SDKs, browsers) ignore comment lines, so the stream a client reads
-is unchanged. With ``loading_progress: reasoning`` the same text also goes out as a chat
+is unchanged. A Messages stream (Anthropic's API) gets a ``ping`` event after each comment,
+the keep-alive its clients know. With ``loading_progress: reasoning`` the same text also goes out as a chat
 chunk whose ``delta.reasoning_content`` holds it, for UIs that show a thinking block;
 ``loading_progress: off`` disables the feedback. The estimate is the model's last
 measured load time. A Responses stream (``/v1/responses``) gets its head and its
 ``response.created`` + ``response.in_progress`` events at once (``ProxyRequest.opening``, built
 by :mod:`router.responses`), then the same comment lines. Once the head went out, an error (a
-failed start, a 4xx/5xx from the model server) arrives as one ``data: {"error": ...}`` event that ends the stream.
+failed start, a 4xx/5xx from the model server) arrives as the protocol's error event
+(``data: {"error": ...}``, Anthropic's ``event: error``: :mod:`router.framing`) that ends the stream.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from starlette.types import Message, Send
 
 from procman import State
 from router.body import json_or_none
-from router.events import sse_comment
+from router.framing import OPENAI, Framing, framing_of
 
 if TYPE_CHECKING:
     from router.proxy import ProxyRequest
@@ -41,7 +43,7 @@ __all__ = ["Feedback"]
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
-STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+STREAMING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 HEAD = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
@@ -54,8 +56,11 @@ def _wants_stream(body: bytes) -> bool:
 class Feedback:
     """The ticker of one request, and what it changes once the model server answers."""
 
-    def __init__(self, model: Model, chat: bool, send: Send, estimate_s: float | None, opening: bytes = b"") -> None:
+    def __init__(self, model: Model, chat: bool, send: Send, estimate_s: float | None, opening: bytes = b"",
+                 framing: Framing = OPENAI) -> None:
         self.model = model
+        self.framing = framing
+        self.status = 200
         self.name = model.spec.name
         self.reasoning = chat and getattr(model.spec, "loading_progress", "comments") == "reasoning"
         self.send = send
@@ -73,10 +78,10 @@ class Feedback:
         """A running ticker when ``req`` streams from a model that is not ready; else None (the usual case)."""
         if model.backend.state is State.READY or getattr(model.spec, "loading_progress", "comments") == "off":
             return None
-        path = req.path.partition("?")[0]
-        if req.method != "POST" or path not in STREAMING_PATHS or not _wants_stream(req.body):
+        path, framing = req.path.partition("?")[0], framing_of(req.path)
+        if req.method != "POST" or framing is None or not _wants_stream(req.body):
             return None
-        return cls(model, path == "/v1/chat/completions", send, estimate_s, req.opening)
+        return cls(model, path == "/v1/chat/completions", send, estimate_s, req.opening, framing_of(path) or OPENAI)
 
     def text(self) -> str:
         elapsed = time.monotonic() - self._t0
@@ -100,7 +105,7 @@ class Feedback:
                 await self.send({"type": "http.response.body", "body": self._event(self.text()), "more_body": True})
 
     def _event(self, text: str) -> bytes:
-        event = sse_comment(text)
+        event = self.framing.tick(text)
         if self.reasoning:
             chunk = {"id": "loading", "object": "chat.completion.chunk", "created": int(time.time()),
                      "model": self.name, "choices": [{"index": 0, "delta": {"reasoning_content": text + "\n"},
@@ -123,7 +128,7 @@ class Feedback:
         if not self.head_sent:
             return False
         if message["status"] != 200 or not sse:
-            self.rewrites = True
+            self.rewrites, self.status = True, message["status"]
             log.info("%s answered %s after the loading feedback; relayed as an error event", self.name,
                      message["status"])
         return True
@@ -135,9 +140,12 @@ class Feedback:
             return
         try:
             error = json.loads(self._buffer)["error"]
+            text = str(error["message"])
         except (ValueError, KeyError, TypeError):
-            error = {"message": self._buffer[:500].decode("utf-8", "replace"), "type": "server_error",
-                     "param": None, "code": "backend_error"}
-        await self.send({"type": "http.response.body", "body": b"data: " + json.dumps({"error": error}).encode()
-                         + b"\n\ndata: [DONE]\n\n", "more_body": True})
+            error, text = None, self._buffer[:500].decode("utf-8", "replace")
+        if self.framing is OPENAI and error is not None:  # the model server's own error object, as it is
+            body = b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
+        else:
+            body = self.framing.error(text, "backend_error", self.status)
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})

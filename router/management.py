@@ -14,7 +14,7 @@ from starlette.routing import Route
 from procman import BackendUnavailable, State
 from router.errors import BadRequest, ModelNotFound, unavailable
 from router.registry import Model
-from router.service import RouterService, check_key
+from router.service import RouterService, check_key, credential_of
 
 __all__ = ["management_routes"]
 
@@ -24,7 +24,7 @@ MAX_LOG_LINES = 5000
 
 def _admin(service: RouterService, handler: Handler) -> Handler:
     async def guarded(request: Request) -> Response:
-        check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
+        check_key(credential_of(request.headers), service.config.router.effective_admin_keys, "admin_keys")
         return await handler(request)
 
     return guarded

@@ -61,11 +61,13 @@ from procman import Backend, BackendUnavailable, Lease
 from procman.process import exit_words
 from router.blame import Cause, Death, external, suspect, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
+from router.framing import OPENAI, Framing, framing_of
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
-from router.relay import DEATH_GRACE_S, DONE_PATHS, RESPONSE_DROP, Relayed, cut_reason, relay
+from router.relay import DEATH_GRACE_S, RESPONSE_DROP, Relayed, cut_reason, relay
 from router.request import ProxyRequest
-from router.resume import Plan, Splice, StreamLog, continuation, fatal_event, finished, plan, progress
+from router.resume import OPENAI_RESUMER, Plan, Resumer, Streamed, StreamLog, fatal_event, finished, plan
+from router.resume_anthropic import ANTHROPIC_RESUMER
 from router.upstream import Upstream, UpstreamReply
 
 __all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
@@ -76,6 +78,9 @@ _BACKGROUND: set[asyncio.Task[Any]] = set()
 #: How long a new request waits while suspects are served: time for a poison request that crashes its
 #: process at once to show (then its retry ran alone); a hang takes longer, and new requests go on beside it.
 ORDINARY_WAIT_S = 5.0
+#: How a stream of each kind (router.resume.plan) is read back, continued and spliced.
+RESUMERS: dict[str, Resumer] = {"chat": OPENAI_RESUMER, "completion": OPENAI_RESUMER, "responses": OPENAI_RESUMER,
+                               "messages": ANTHROPIC_RESUMER}
 
 
 class RequestCrashedModel(BadGateway):
@@ -100,7 +105,7 @@ class Job:
     body: bytes = b""
     backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
     log: StreamLog | None = None
-    splice: Splice | None = None
+    splice: Streamed | None = None
     head_sent: bool = False
     status: int = 0
     _lines: list[str] = field(default_factory=list)
@@ -108,6 +113,10 @@ class Job:
     @property
     def name(self) -> str:
         return self.model.spec.name
+
+    @property
+    def framing(self) -> Framing:
+        return framing_of(self.req.path) or OPENAI
 
     def budget(self) -> int:
         """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs."""
@@ -163,9 +172,8 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
 
 
 async def _relay(job: Job, lease: Lease, resp: UpstreamReply) -> int:
-    """The plain path: chunk by chunk; a chat or completion stream cut short is told what was seen."""
-    expect_done = job.req.path.startswith(DONE_PATHS)
-    return await relay(job.model, resp, job.send, lease, expect_done=expect_done, grace_s=DEATH_GRACE_S)
+    """The plain path: chunk by chunk; a chat, completion or Messages stream cut short is told what was seen."""
+    return await relay(job.model, resp, job.send, lease, framing=framing_of(job.req.path), grace_s=DEATH_GRACE_S)
 
 
 async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int | None:
@@ -176,7 +184,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
             return await _relay(job, lease, resp)
         headers = [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
         await job.send({"type": "http.response.start", "status": 200, "headers": headers})
-        job.head_sent, job.status, job.log = True, 200, StreamLog()
+        job.head_sent, job.status, job.log = True, 200, StreamLog(job.framing)
     elif resp.status != 200:  # the continuation was refused: end the stream with its reason
         return await _end_stream(job, f"model {job.name!r} could not continue the answer: {await _detail(resp)}",
                                  "backend_error")
@@ -184,7 +192,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
     try:
         async for chunk in resp.iter_chunks(stall_s):
             if fatal_event(chunk):
-                cut = chunk.find(b'data: {"error"')
+                cut = chunk.find(job.framing.error_starts)
                 cut = cut if cut >= 0 else chunk.find(b"event: response.failed")
                 await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
                 return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
@@ -305,14 +313,15 @@ def _prepare_again(job: Job) -> bool:
         job.body = job.req.body
         return True
     assert job.plan is not None and job.log is not None
-    seen = progress(job.log)
+    resumer = RESUMERS[job.plan.kind]
+    seen = resumer.progress(job.log)
     if seen.done or seen.finish is not None:
         return False  # the answer was complete: nothing to resume
-    rest = continuation(job.plan, seen)
+    rest = resumer.continuation(job.plan, seen)
     if rest is None:
         return False
     job.body = json.dumps(rest).encode()
-    job.splice = Splice(seen)
+    job.splice = resumer.splice(seen)
     return True
 
 
@@ -341,13 +350,11 @@ async def _fail(job: Job, error: RouterError) -> int:
     """Answer ``error``: as the response when nothing was sent, else as the stream's last event."""
     if not job.head_sent:
         raise error
-    return await _end_stream(job, error.message, error.code)
+    return await _end_stream(job, error.message, error.code, error.status)
 
 
-async def _end_stream(job: Job, message: str, code: str) -> int:
-    event = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    body = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
-    await job.send({"type": "http.response.body", "body": body, "more_body": True})
+async def _end_stream(job: Job, message: str, code: str, status: int = 502) -> int:
+    await job.send({"type": "http.response.body", "body": job.framing.error(message, code, status), "more_body": True})
     await job.send({"type": "http.response.body", "body": b""})
     raise Relayed(job.status)
 

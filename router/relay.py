@@ -3,7 +3,8 @@
 ``relay()`` sends the head, then each chunk as it arrives (never buffered; a small or finished
 body goes in one message); a backend that breaks off mid-answer, or stays silent longer than
 ``stream_idle_timeout_s``, ends the response with an SSE error event when it is a stream. A
-chat or completion stream that ends without ``data: [DONE]`` was cut short too, however the
+chat, completion or Messages stream that ends without its closing event (``data: [DONE]``, ``message_stop``:
+:mod:`router.framing`) was cut short too, however the
 connection ended; the event then says what was seen (:func:`cut_reason`): the process died
 (and how: its exit code or signal), or the upstream closed the stream while its process
 runs on — a server that drops a stream on a concurrent request, as llama-cpp-python's does
@@ -16,7 +17,6 @@ for ``http.disconnect``: a client that goes away cancels it, and the upstream is
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -25,22 +25,20 @@ from starlette.types import Message, Receive, Send
 
 from procman import Lease
 from procman.process import exit_words
-from router.errors import RouterError, error_body
+from router.errors import RouterError, body_for
+from router.framing import OPENAI, Framing, held_end
 from router.httpclient import UpstreamError, UpstreamTimeout
 from router.registry import Model
 from router.request import HOP_BY_HOP
-from router.resume import held_done
 from router.upstream import UpstreamReply
 
-__all__ = ["DONE_PATHS", "Relayed", "Tally", "cut_reason", "relay", "run_until_disconnect", "send_error"]
+__all__ = ["Relayed", "Tally", "cut_reason", "relay", "run_until_disconnect", "send_error"]
 
 log = logging.getLogger(__name__)
 
 RESPONSE_DROP = HOP_BY_HOP | {"server", "date", "x-backend-fatal"}
 SMALL_BODY = 1 << 20
 WATCH_AFTER_S = 0.05
-#: Streams of these paths end with ``data: [DONE]`` (the OpenAI protocol); one that ends without it was cut.
-DONE_PATHS = ("/v1/chat/completions", "/v1/completions")
 #: How long a cut stream waits for its process's exit to be seen before it calls the process alive.
 DEATH_GRACE_S = 2.0
 #: A process found dead after DEATH_GRACE_S: how much longer its exit status is waited for.
@@ -58,8 +56,8 @@ def _response_headers(resp: UpstreamReply) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
 
 
-async def send_error(send: Send, exc: RouterError) -> None:
-    body = error_body(exc.message, exc.type, exc.code, exc.param)
+async def send_error(send: Send, exc: RouterError, path: str = "") -> None:
+    body = body_for(exc, path)
     headers = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
@@ -67,22 +65,24 @@ async def send_error(send: Send, exc: RouterError) -> None:
 
 
 class Tally:
-    """What an OpenAI stream relayed so far: its ``data:`` events (chunks), and its closing ``data: [DONE]``,
-    held back until the stream ends cleanly (a server that sends it and then breaks the connection must not
-    have its client stop there, before the router's error event)."""
+    """What a stream relayed so far: its ``data:`` events (chunks), and its closing event (``data: [DONE]``,
+    Anthropic's ``message_stop``: :mod:`router.framing`), held back until the stream ends cleanly (a server
+    that sends it and then breaks the connection must not have its client stop there, before the router's
+    error event)."""
 
-    __slots__ = ("chunks", "held")
+    __slots__ = ("chunks", "framing", "held")
 
-    def __init__(self) -> None:
+    def __init__(self, framing: Framing = OPENAI) -> None:
         self.chunks = 0
         self.held = b""
+        self.framing = framing
 
     def feed(self, data: bytes) -> bytes:
-        """What of ``data`` to send now: all of it but a closing ``[DONE]`` event."""
-        if self.held:  # more after a [DONE]: it was not the end after all
+        """What of ``data`` to send now: all of it but a closing event."""
+        if self.held:  # more after a closing event: it was not the end after all
             data, self.held = self.held + data, b""
-        if b"[DONE]" in data:
-            done = held_done(data)
+        if self.framing.ended(data):
+            done = held_end(data, self.framing)
             data, self.held = data[:done], data[done:]
         self.chunks += data.count(b"data:")
         return data
@@ -93,12 +93,13 @@ class Tally:
 
 
 async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | None = None, *,
-                expect_done: bool = False, grace_s: float = DEATH_GRACE_S) -> int:
-    """Relay ``resp`` to the client. ``expect_done``: an SSE answer must end with ``[DONE]`` (a chat or
-    completion stream); ``lease`` tells whether the process behind a cut stream died or runs on."""
+                framing: Framing | None = None, grace_s: float = DEATH_GRACE_S) -> int:
+    """Relay ``resp`` to the client. ``framing``: an SSE answer must end with that protocol's closing event
+    (a chat, completion or Messages stream); ``lease`` tells whether the process behind a cut stream died or
+    runs on."""
     await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
     idle_s = model.spec.stream_idle_timeout_s
-    tally = Tally() if expect_done and resp.status == 200 and _is_sse(resp) else None
+    tally = Tally(framing) if framing is not None and resp.status == 200 and _is_sse(resp) else None
     try:
         if resp.complete or (resp.content_length or SMALL_BODY + 1) <= SMALL_BODY:
             body = await resp.read(idle_s)
@@ -117,7 +118,7 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
     if tally is not None and not tally.done:
         reason = await cut_reason(model, lease, tally.chunks, grace_s)
         log.warning("%s", reason)
-        await _end_with_error(send, reason)
+        await _end_with_error(send, reason, tally.framing)
         raise Relayed(resp.status)
     await send({"type": "http.response.body", "body": tally.held if tally is not None else b""})
     return resp.status
@@ -138,15 +139,13 @@ async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc:
         reason = f"model {name!r} broke off the response mid-body"
     log.warning("%s (%s)", reason, exc)
     if _is_sse(resp):
-        await _end_with_error(send, reason)
+        await _end_with_error(send, reason, tally.framing if tally is not None else OPENAI)
         return
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _end_with_error(send: Send, message: str) -> None:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "backend_error"}}
-    await send({"type": "http.response.body", "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(),
-                "more_body": True})
+async def _end_with_error(send: Send, message: str, framing: Framing) -> None:
+    await send({"type": "http.response.body", "body": framing.error(message), "more_body": True})
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -198,7 +197,7 @@ def _killed_as(model: Model, lease: Lease) -> str:
 
 
 async def run_until_disconnect(
-    work: Callable[[Send], Awaitable[int]], receive: Receive, send: Send
+    work: Callable[[Send], Awaitable[int]], receive: Receive, send: Send, path: str = ""
 ) -> tuple[int, bool]:
     """Run ``work`` in this task while a watcher waits for the client going away; returns
     (status, disconnected). A disconnect cancels ``work``; its ``finally`` blocks close the
@@ -245,7 +244,7 @@ async def run_until_disconnect(
     except RouterError as exc:
         if started:
             return started[0], False
-        await send_error(tracking_send, exc)
+        await send_error(tracking_send, exc, path)
         return exc.status, False
     finally:
         state["done"] = True

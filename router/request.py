@@ -52,12 +52,14 @@ ENDPOINT_TASKS: dict[str, tuple[str, ...]] = {
     "/detokenize": ("llm", "vlm"),
     "/v1/responses": ("llm", "vlm"),
     "/v1/responses/input_tokens": ("llm", "vlm"),
+    "/v1/messages": ("llm", "vlm"),
+    "/v1/messages/count_tokens": ("llm", "vlm"),
 }
 #: Routes whose JSON body may leave out ``model``: llama.cpp's server serves one model, so its clients
 #: (SillyTavern's token counter, for one) send none. See :func:`implied_model`.
 MODEL_OPTIONAL = frozenset({"/tokenize", "/detokenize"})
 #: Request headers the router owns: the client's key is for the router, not the backend.
-REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "authorization", "x-api-key", "expect"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,21 +17,27 @@ it), ``max_output_tokens`` less what was sent; :class:`router.responses.Response
 openings the continuation repeats, numbers the events and moves the usage.
 
 Only what can be continued faithfully is resumable (:func:`plan`): one choice, no tools,
-no output constraint, no logprobs. Pure functions over bytes and dicts: no I/O.
+no output constraint, no logprobs. An Anthropic Messages stream is resumed the same way
+(:mod:`router.resume_anthropic`: the text so far as a final assistant message, which the
+Messages API continues). Pure functions over bytes and dicts: no I/O.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from router.body import json_or_none
+from router.framing import ANTHROPIC, OPENAI, Framing, held_end
 
-__all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Splice", "StreamLog", "continuation", "fatal_event", "finished",
-           "plan", "progress"]
+__all__ = ["FATAL_EVENT_CODES", "Plan", "Progress", "Resumer", "Splice", "StreamLog", "continuation", "fatal_event",
+           "finished", "plan", "progress"]
 
-Kind = Literal["chat", "completion", "responses"]
+Kind = Literal["chat", "completion", "responses", "messages"]
+_KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                           "/v1/responses": "responses", "/v1/messages": "messages"}
 #: The events that end a Responses stream (it has no ``[DONE]``).
 TERMINAL_EVENTS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
 
@@ -55,13 +61,8 @@ def plan(path: str, body: bytes, default_max_tokens: int, chat_ok: bool = True) 
 
     ``chat_ok`` False: the backend is not known to take ``continue_final_message`` (chat is not resumed).
     """
-    kind: Kind | None = "chat" if path.startswith("/v1/chat/completions") else (
-        "completion" if path.startswith("/v1/completions") else None)
-    if path.partition("?")[0] == "/v1/responses":
-        kind = "responses"  # continued like a chat (continue_final_message); router/responses.py splices it
-    if kind == "responses" and not chat_ok:
-        return None
-    if kind is None or (kind == "chat" and not chat_ok):
+    kind = _KINDS.get(path.partition("?")[0])  # a Responses stream is continued like a chat (router/responses.py
+    if kind is None or (kind != "completion" and not chat_ok):  # splices it), a Messages one with a prefill
         return None
     data = json_or_none(body)  # an /upstream body is read raw: bounded here, passed on whatever it holds
     if not isinstance(data, dict) or data.get("stream") is not True or data.get("n", 1) not in (1, None):
@@ -95,11 +96,12 @@ class StreamLog:
     router's error event.
     """
 
-    __slots__ = ("_pending", "sent")
+    __slots__ = ("_pending", "framing", "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, framing: Framing = OPENAI) -> None:
         self._pending = b""
         self.sent: list[bytes] = []
+        self.framing = framing
 
     def cut(self, chunk: bytes) -> bytes:
         """The whole events of ``pending + chunk`` (to send now); the unfinished rest waits for the next chunk."""
@@ -111,7 +113,7 @@ class StreamLog:
             self._pending = data
             return b""
         whole, self._pending = data[: end + 2], data[end + 2 :]
-        done = held_done(whole)
+        done = held_end(whole, self.framing)
         if done < len(whole):
             whole, self._pending = whole[:done], whole[done:] + self._pending
         if whole:
@@ -122,16 +124,6 @@ class StreamLog:
         """What is left at the end of an unbroken stream: a held ``[DONE]``, else normally nothing."""
         rest, self._pending = self._pending, b""
         return rest
-
-
-def held_done(whole: bytes) -> int:
-    """Where the closing ``data: [DONE]`` event of ``whole`` (whole events) starts; ``len(whole)`` when it has none."""
-    start = whole.rfind(b"data: [DONE]")
-    if start < 0:
-        start = whole.rfind(b"data:[DONE]")
-    if start < 0 or whole[start:].rstrip() not in (b"data: [DONE]", b"data:[DONE]"):
-        return len(whole)
-    return start
 
 
 def events(raw: bytes) -> list[Any]:
@@ -209,9 +201,10 @@ def _responses_event(seen: Progress, event: dict[str, Any]) -> None:
 
 
 def finished(kind: Kind, tail: bytes, sent: list[bytes]) -> bool:
-    """Whether a stream ended cleanly: ``[DONE]`` (held back until the end), or a Responses terminal event."""
+    """Whether a stream ended cleanly: its closing event (``[DONE]``, ``message_stop``: held back until the end),
+    or a Responses terminal event."""
     if kind != "responses":
-        return b"[DONE]" in tail
+        return (ANTHROPIC if kind == "messages" else OPENAI).ended(tail)
     last = sent[-1] if sent else b""
     return any(marker in last for marker in TERMINAL_EVENTS)
 
@@ -305,3 +298,21 @@ class Splice:
 def _role_only(choice: dict[str, Any]) -> bool:
     delta = choice.get("delta")
     return isinstance(delta, dict) and "role" in delta and not delta.get("content") and not choice.get("finish_reason")
+
+
+class Streamed(Protocol):
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def rest(self) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Resumer:
+    """One protocol's way to resume a stream: read back what was sent, ask for the rest, splice it in."""
+
+    progress: Callable[[StreamLog], Progress]
+    continuation: Callable[[Plan, Progress], dict[str, Any] | None]
+    splice: Callable[[Progress], Streamed]
+
+
+OPENAI_RESUMER = Resumer(progress, continuation, Splice)

@@ -8,6 +8,7 @@ import hmac
 import logging
 import signal
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from procman import BackendUnavailable, ProcessManager, State
@@ -22,13 +23,23 @@ from router.reload import watch_config
 from router.responses_store import ResponseStore
 from router.upstream import Upstream, UpstreamPool
 
-__all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key"]
+__all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key", "credential", "credential_of"]
 
 log = logging.getLogger(__name__)
 
 #: router settings that only take effect when the router itself restarts.
 RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range", "head_timeout_s", "body_timeout_s",
                          "keep_alive_timeout_s", "max_connections", "engine")
+
+
+def credential(authorization: str | None, api_key: str | None) -> str | None:
+    """The ``Authorization`` to check: Anthropic's ``x-api-key`` header counts as a Bearer key where none is sent."""
+    return authorization if authorization or not api_key else f"Bearer {api_key}"
+
+
+def credential_of(headers: Mapping[str, str]) -> str | None:
+    """:func:`credential` of a request's headers."""
+    return credential(headers.get("authorization"), headers.get("x-api-key"))
 
 
 def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> None:
@@ -42,7 +53,8 @@ def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> No
         matched |= hmac.compare_digest(presented, key.encode())
     if not matched:
         hint = "missing" if not presented else "not accepted"
-        raise Unauthorized(f"API key {hint}: send `Authorization: Bearer <key>` with a key from router.{what}")
+        raise Unauthorized(f"API key {hint}: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) "
+                           f"with a key from router.{what}")
 
 
 class RouterService:

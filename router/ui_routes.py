@@ -20,7 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 
 from router.errors import BadRequest, NotFound
-from router.service import RouterService, check_key
+from router.service import RouterService, check_key, credential_of
 
 __all__ = ["console_routes", "snapshot"]
 
@@ -32,7 +32,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def _admin(service: RouterService, handler: Handler) -> Handler:
     async def guarded(request: Request) -> Response:
-        check_key(request.headers.get("authorization"), service.config.router.effective_admin_keys, "admin_keys")
+        check_key(credential_of(request.headers), service.config.router.effective_admin_keys, "admin_keys")
         return await handler(request)
 
     return guarded

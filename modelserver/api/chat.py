@@ -143,6 +143,11 @@ class Run:
         self._first: str | None = None
         self._raw: AsyncIterator[str] = aiter(stream)
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer, if one did."""
+        return self._matcher.matched
+
     async def start(self) -> None:
         """Wait for the engine's first event (a delta or the end), so errors at the start surface here."""
         try:

@@ -134,6 +134,12 @@ class FakeSpeechSynthesizer(_FakeBase):
 
 
 class FakeVisionGenerator(FakeTextGenerator):
+    def prompt_tokens(self, request: VisionRequest | GenerationRequest) -> int:
+        """The words of every turn (an image's tag is one)."""
+        if isinstance(request, GenerationRequest):
+            return super().prompt_tokens(request)
+        return sum(len(turn.content.split()) for turn in request.messages)
+
     def generate(self, request: VisionRequest | GenerationRequest) -> FakeStream:
         if isinstance(request, GenerationRequest):
             return super().generate(request)
@@ -145,9 +151,9 @@ class FakeVisionGenerator(FakeTextGenerator):
 
         text = IMAGE_TAG.sub(describe, request.last_user_text())
         inject_faults(text)
-        prompt_words = sum(len(turn.content.split()) for turn in request.messages)
         return FakeStream(
-            text.split(), prompt_words, request.sampling.max_tokens, self._spec.fake.token_delay_s, self._counters
+            text.split(), self.prompt_tokens(request), request.sampling.max_tokens, self._spec.fake.token_delay_s,
+            self._counters,
         )
 
 

@@ -164,6 +164,8 @@ class VisionGenerator(Engine, Protocol):
 
     def generate(self, request: VisionRequest | GenerationRequest) -> TextStream: ...
 
+    def prompt_tokens(self, request: VisionRequest | GenerationRequest) -> int: ...
+
 
 # -- running blocking pipelines -----------------------------------------------------------------
 

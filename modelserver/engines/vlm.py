@@ -144,6 +144,13 @@ class OpenVINOVisionGenerator:
         self._worker.submit(lambda: self._run(prompt, images, config, deliver, cancelled))
         return VisionStream(events, cancelled, max_new)
 
+    def prompt_tokens(self, request: VisionRequest | GenerationRequest) -> int:
+        """The prompt's tokens as the context check counts them (each image's tag as text, not the tokens the
+        pipeline makes of the image)."""
+        if isinstance(request, GenerationRequest) and request.prompt is not None:
+            return self._counter.total(request.prompt, True)
+        return self._counter.total(self.chat_prompt(request), False)
+
     def _run(self, prompt: Any, images: list[Any], config: Any, deliver: Callable[[Event], None],
              cancelled: threading.Event) -> None:
         """On the worker thread: the whole generation, reported through ``deliver``."""

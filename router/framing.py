@@ -1,0 +1,81 @@
+"""How each client protocol frames a stream, as the router needs it: its clean end, its error event, its wait.
+
+One table by path (:func:`framing_of`); a path in none of them is not a stream the router
+looks into (its bytes pass through unchanged)::
+
+    protocol      paths                            clean end               error event              cold start
+    OpenAI        /v1/chat/completions, ...        data: [DONE]            data: {"error": ...}     SSE comments
+    Anthropic     /v1/messages                     event: message_stop     event: error             ping events
+
+The closing event is held back until the upstream ends cleanly (:func:`held_end`): a
+server that sends it and then breaks the connection must not have its client stop there
+before the router's error event. A stream cut short ends with the protocol's error event
+(:meth:`Framing.error`), never a bare cut, and never after its closing event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.errors import anthropic_error
+from router.events import sse_comment
+
+__all__ = ["ANTHROPIC", "OPENAI", "Framing", "framing_of", "held_end"]
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    name: str
+    ends: tuple[bytes, ...]  # how the closing event starts
+    error_starts: bytes  # how an error event starts
+    _error: Callable[[str, str, int], bytes]
+    _tick: Callable[[str], bytes]
+
+    def error(self, message: str, code: str = "backend_error", status: int = 502) -> bytes:
+        """The events that end a stream with an error (``status``: the HTTP status it would have had)."""
+        return self._error(message, code, status)
+
+    def tick(self, text: str) -> bytes:
+        """One cold-start event: ``text`` says how long the model has been loading."""
+        return self._tick(text)
+
+    def ended(self, tail: bytes) -> bool:
+        """Whether ``tail`` (what a stream held back at its end) is its closing event."""
+        return any(end in tail for end in self.ends)
+
+
+def _openai_error(message: str, code: str, status: int) -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _anthropic_error(message: str, code: str, status: int) -> bytes:
+    return b"event: error\ndata: " + json.dumps(anthropic_error(status, message)).encode() + b"\n\n"
+
+
+def _ping(text: str) -> bytes:
+    return sse_comment(text) + b'event: ping\ndata: {"type":"ping"}\n\n'
+
+
+OPENAI = Framing("openai", (b"data: [DONE]", b"data:[DONE]"), b'data: {"error"', _openai_error, sse_comment)
+ANTHROPIC = Framing("anthropic", (b"event: message_stop",), b"event: error", _anthropic_error, _ping)
+#: Path -> the framing of its streams (a path's query string aside).
+FRAMINGS: dict[str, Framing] = {
+    "/v1/chat/completions": OPENAI,
+    "/v1/completions": OPENAI,
+    "/v1/messages": ANTHROPIC,
+}
+
+
+def framing_of(path: str) -> Framing | None:
+    return FRAMINGS.get(path.partition("?")[0])
+
+
+def held_end(whole: bytes, framing: Framing = OPENAI) -> int:
+    """Where the closing event of ``whole`` (whole events) starts; ``len(whole)`` when its last event is another."""
+    start = max(whole.rfind(end) for end in framing.ends)
+    if start < 0 or b"\n\n" in whole[start:].rstrip():
+        return len(whole)
+    return start
