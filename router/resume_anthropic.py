@@ -12,11 +12,10 @@ so the answer is one text block at index 0. Pure functions over bytes and dicts:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from router.framing import ANTHROPIC
-from router.resume import Plan, Progress, Resumer, StreamLog, events
+from router.resume import Plan, Progress, Resumer, Splice, StreamLog, events
 
 __all__ = ["ANTHROPIC_RESUMER", "MessagesSplice", "continuation", "progress"]
 
@@ -62,20 +61,13 @@ def _text(content: Any) -> str:
     return "".join(block.get("text") or "" for block in content or () if isinstance(block, dict))
 
 
-@dataclass(slots=True)
-class MessagesSplice:
+class MessagesSplice(Splice):
     """Rewrites the continuation's events into the first stream."""
 
-    seen: Progress
-    _log: StreamLog = field(default_factory=lambda: StreamLog(ANTHROPIC))
+    __slots__ = ()
 
-    def feed(self, chunk: bytes) -> bytes:
-        whole = self._log.cut(chunk)
-        return self._rewrite(whole) if whole else b""
-
-    def rest(self) -> bytes:
-        rest = self._log.rest()
-        return self._rewrite(rest) if rest else b""
+    def __init__(self, seen: Progress) -> None:
+        super().__init__(seen, StreamLog(ANTHROPIC))
 
     def _rewrite(self, raw: bytes) -> bytes:
         out = []
