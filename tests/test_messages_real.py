@@ -45,7 +45,7 @@ def _sdk(url: str) -> anthropic.AsyncAnthropic:
 async def test_smollm2_text_stream_count_tokens_and_a_capped_max_tokens(tmp_path: Path, demo_gguf: Path) -> None:
     async with running_router(_config(tmp_path, "smollm2", _model(demo_gguf, aliases=["claude-sonnet-4-5"]))) as r:
         client = _sdk(r.url)
-        ask: dict[str, Any] = {"model": "claude-sonnet-4-5", "system": "You are terse.",
+        ask: dict[str, Any] = {"model": "claude-sonnet-4-5", "system": "You are terse and precise. " * 16,
                                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         message = await client.messages.create(max_tokens=24, temperature=0, **ask)
         assert message.stop_reason in ("end_turn", "max_tokens") and message.content[0].type == "text"
@@ -57,6 +57,9 @@ async def test_smollm2_text_stream_count_tokens_and_a_capped_max_tokens(tmp_path
         assert streamed.content[0].text == message.content[0].text  # type: ignore[union-attr]  # greedy both times
         assert streamed.usage.input_tokens == counted.input_tokens
         assert streamed.usage.output_tokens == message.usage.output_tokens
+        # the same prompt again: its whole KV blocks came from the prefix cache (the first request found none)
+        assert message.usage.cache_read_input_tokens == 0
+        assert 0 < (streamed.usage.cache_read_input_tokens or 0) < streamed.usage.input_tokens
         # Claude Code's max_tokens on an 8k context: capped, never a 400 (a stop sequence keeps the answer short)
         huge = await client.messages.create(max_tokens=64000, temperature=0, stop_sequences=[" ", "\n"], **ask)
         assert huge.stop_reason in ("end_turn", "stop_sequence")
