@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import pytest
 
-from modelserver.api.messages import BILLING_HEADER, MessagesRequest, chat_messages
+from modelserver.api.anthropic_in import BILLING_HEADER, MessagesRequest, chat_messages
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeTextGenerator
 from modelserver.engines.fake_media import FakeVisionGenerator
