@@ -139,7 +139,8 @@ def targets(app: Any, model: str, bystander: str) -> list[Target]:
 
 
 def fault(status: int, content_type: str, body: bytes) -> str | None:
-    """What is wrong with an answer to a hostile body (a 4xx needs the JSON error object), or None."""
+    """What is wrong with an answer to a hostile body (a 4xx needs the JSON error object: OpenAI's, or
+    Anthropic's on the Messages API's routes), or None."""
     if not 200 <= status < 500:
         return f"status {status}: {body[:200]!r}"
     if status < 400:
@@ -147,8 +148,10 @@ def fault(status: int, content_type: str, body: bytes) -> str | None:
     if not content_type.startswith("application/json"):
         return f"{status} with content-type {content_type!r}"
     try:
-        error = json.loads(body)["error"]
-        assert isinstance(error["message"], str) and error["message"] and "type" in error and "code" in error
+        data = json.loads(body)
+        error = data["error"]
+        assert isinstance(error["message"], str) and error["message"] and "type" in error
+        assert "code" in error or data.get("type") == "error"  # Anthropic's shape (the Messages routes): no code
     except (ValueError, KeyError, TypeError, AssertionError):
         return f"{status} without an error object: {body[:200]!r}"
     return None
