@@ -78,8 +78,8 @@ class Feedback:
         """A running ticker when ``req`` streams from a model that is not ready; else None (the usual case)."""
         if model.backend.state is State.READY or getattr(model.spec, "loading_progress", "comments") == "off":
             return None
-        path, framing = req.path.partition("?")[0], framing_of(req.path)
-        if req.method != "POST" or framing is None or not _wants_stream(req.body):
+        path = req.path.partition("?")[0]
+        if req.method != "POST" or path not in STREAMING_PATHS or not _wants_stream(req.body):
             return None
         return cls(model, path == "/v1/chat/completions", send, estimate_s, req.opening, framing_of(path) or OPENAI)
 
