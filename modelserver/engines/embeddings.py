@@ -33,7 +33,7 @@ from modelserver.engines.base import EmbeddingResult
 from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions, split
 from modelserver.engines.context import check_inputs, token_counts
 from modelserver.engines.media_base import SerialWorker
-from modelserver.engines.ov_options import one_line, ov_properties
+from modelserver.engines.ov_options import COUNTING_TOKENIZER, one_line, ov_properties
 from modelserver.engines.st_metadata import declared_options
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError, RequestError
@@ -178,7 +178,7 @@ def load(spec: ModelSpec) -> OpenVINOEmbedder:
     batching = batch_options(spec, spec.options)
     try:
         pipe = ov_genai.TextEmbeddingPipeline(str(path), spec.device, config, **ov_properties(spec))
-        tokenizer = ov_genai.Tokenizer(str(path))
+        tokenizer = ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER)
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
     matryoshka = bool({**declared, **spec.options}.get("matryoshka", False))

@@ -34,7 +34,7 @@ from modelserver.engines.batching import Batcher, BatchOptions, split
 from modelserver.engines.context import check_inputs, token_counts
 from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
-from modelserver.engines.ov_options import one_line, ov_properties
+from modelserver.engines.ov_options import COUNTING_TOKENIZER, one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.errors import LoadError, RequestError
 from modelserver.modelfiles import context_length
@@ -127,7 +127,7 @@ def load(spec: ModelSpec) -> OpenVINOReranker:
         config.max_length = max_length  # the pipeline's cut, for requests that ask for it (truncate: true)
     try:
         pipe = ov_genai.TextRerankPipeline(str(path), spec.device, config, **ov_properties(spec))
-        tokenizer = ov_genai.Tokenizer(str(path))
+        tokenizer = ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER)
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
     return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started, batching, max_length)
