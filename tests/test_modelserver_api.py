@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tasks_helpers import assert_error, sse_events
 
+from modelserver.api.common import FastJSONResponse
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
 from modelserver.errors import FATAL_HEADER
@@ -333,6 +334,14 @@ async def test_while_loading_health_and_requests_are_503() -> None:
         runtime.set_ready(FakeTextGenerator(spec))
         assert (await client.get("/health")).status_code == 200
         assert (await client.post("/v1/chat/completions", json=chat("x"))).status_code == 200
+
+
+def test_fast_json_response_writes_the_numbers_json_would_and_never_nan() -> None:
+    vector = [float(np.float32(x)) for x in np.linspace(-1, 1, 384)]
+    content = {"data": [{"embedding": vector, "index": 0}], "usage": {"prompt_tokens": 3}, "model": "é"}
+    assert json.loads(FastJSONResponse(content).body) == content
+    odd = {"a": np.arange(3, dtype=np.float32), "b": float("nan"), "c": np.float32(0.5)}
+    assert json.loads(FastJSONResponse(odd).body) == {"a": [0.0, 1.0, 2.0], "b": None, "c": 0.5}
 
 
 async def test_embeddings_float_and_base64_agree_and_are_deterministic(embedder: httpx.AsyncClient) -> None:

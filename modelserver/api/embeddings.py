@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from modelserver.api.common import (
     ClientGone,
+    FastJSONResponse,
     engine_as,
     engine_errors,
     note,
@@ -36,10 +37,11 @@ from modelserver.protocol import EmbeddingRequest
 __all__ = ["encode_vector", "routes", "shorten"]
 
 
-def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] | str:
+def encode_vector(vector: Sequence[float], encoding_format: str) -> Sequence[float] | str:
+    """base64 of little-endian float32, or the numbers as they are (:class:`FastJSONResponse` writes them)."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-    return [float(x) for x in vector]
+    return vector
 
 
 def shorten(vectors: Sequence[Sequence[float]], dimensions: int | None, embedder: Embedder) -> list[Sequence[float]]:
@@ -78,7 +80,7 @@ async def embeddings(request: Request) -> Response:
         for i, vector in enumerate(shorten(result.vectors, body.dimensions, embedder))
     ]
     counts = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return JSONResponse({"object": "list", "data": data, "model": spec(request).name, "usage": counts})
+    return FastJSONResponse({"object": "list", "data": data, "model": spec(request).name, "usage": counts})
 
 
 routes = [Route("/v1/embeddings", embeddings, methods=["POST"])]

@@ -14,11 +14,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from modelserver.api.common import (
     ClientGone,
+    FastJSONResponse,
     engine_as,
     engine_errors,
     note,
@@ -72,7 +73,7 @@ async def rerank(request: Request) -> Response:
         note(request, finish="cancelled")
         return Response(status_code=499)
     note(request, documents=len(body.documents), prompt_tokens=result.prompt_tokens)
-    return JSONResponse(rerank_body(body, result, spec(request).name))
+    return FastJSONResponse(rerank_body(body, result, spec(request).name))
 
 
 routes = [
