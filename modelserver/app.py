@@ -165,15 +165,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("%s %s: unexpected error", request.method, request.url.path, exc_info=exc)
-    body = {
-        "error": {
-            "message": f"internal error: {type(exc).__name__}: {exc}",
-            "type": "server_error",
-            "param": None,
-            "code": "internal_error",
-        }
-    }
-    return JSONResponse(body, status_code=500)
+    error = ModelServerError(f"internal error: {type(exc).__name__}: {exc}")  # 500 server_error internal_error
+    return JSONResponse(error_body(error), status_code=error.status)
 
 
 def build_app(

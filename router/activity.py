@@ -19,7 +19,6 @@ import asyncio
 import collections
 import contextvars
 import itertools
-import json
 import logging
 import re
 import statistics
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Message, Send
 
 from procman import State
-from router.errors import RouterError
+from router.errors import RouterError, error_body
 from router.events import EventBus
 from router.loading import Feedback
 
@@ -321,5 +320,4 @@ DONE = b"data: [DONE]\n\n"
 
 
 def error_event(exc: RouterError) -> bytes:
-    error = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
-    return b"data: " + json.dumps(error).encode() + b"\n\n"
+    return b"data: " + error_body(exc.message, exc.type, exc.code, exc.param) + b"\n\n"

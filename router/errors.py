@@ -45,6 +45,7 @@ __all__ = [
     "body_for",
     "client_line",
     "error_body",
+    "error_object",
     "error_response",
     "unavailable",
 ]
@@ -116,9 +117,13 @@ class GatewayTimeout(RouterError):
     status, type, code = 504, "server_error", "backend_timeout"
 
 
+def error_object(message: str, type_: str, code: str, param: str | None = None) -> dict[str, dict[str, str | None]]:
+    """The one OpenAI error body, as data (``param`` null when none: OpenAI's shape); :func:`error_body` as bytes."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
-    error = {"message": message, "type": type_, "param": param, "code": code}  # param null when none: OpenAI's shape
-    return json.dumps({"error": error}).encode()
+    return json.dumps(error_object(message, type_, code, param)).encode()
 
 
 def error_response(exc: RouterError, path: str = "") -> Response:

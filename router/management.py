@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from procman import BackendUnavailable, State
-from router.errors import BadRequest, ModelNotFound, unavailable
+from router.errors import BadRequest, ModelNotFound, error_object, unavailable
 from router.registry import Model
 from router.service import RouterService, check_key, credential_of
 
@@ -99,8 +99,8 @@ def management_routes(service: RouterService) -> list[Route]:
         if result["ok"]:
             return JSONResponse(result)
         message = "config not reloaded: " + "; ".join(map(str, result["errors"]))  # the usual error, and the result
-        error = {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_config"}
-        return JSONResponse({"error": error, **result}, status_code=400)
+        error = error_object(message, "invalid_request_error", "invalid_config")
+        return JSONResponse({**error, **result}, status_code=400)
 
     plain: list[tuple[str, Handler, str]] = [
         ("/api/models", models, "GET"),
