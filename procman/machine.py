@@ -57,6 +57,7 @@ from procman.policy import RestartPolicy, backoff_delay
 from procman.states import State
 
 __all__ = [
+    "DEFAULT_POLICY",
     "FAILURE_REASONS",
     "Abort",
     "Admit",
@@ -116,6 +117,12 @@ class Policy:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     idle_timeout_s: float = 0.0  # 0 = never stop for idleness
     drain_timeout_s: float = 300.0
+
+
+#: procman's one set of supervision defaults: :class:`procman.BackendSpec` takes its own from here. A backend
+#: never stops for idleness unless asked; the router always passes a model's ``idle_timeout_s``, whose
+#: default for users (900 s) lives in ``modelserver/spec.py`` with every other model setting.
+DEFAULT_POLICY = Policy()
 
 
 class Counters(NamedTuple):

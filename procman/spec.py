@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from procman.machine import Policy
+from procman.machine import DEFAULT_POLICY, Policy
 from procman.policy import RestartPolicy
 
 __all__ = ["PLACEHOLDERS", "BackendSpec", "FrozenAmounts", "FrozenEnv", "substitute"]
@@ -96,8 +96,8 @@ class BackendSpec:
     health_timeout_s: float = 5.0
     health_failures: int = 3
     stop_timeout_s: float = 10.0
-    idle_timeout_s: float = 0.0  # 0 = never stop for idleness
-    drain_timeout_s: float = 300.0
+    idle_timeout_s: float = DEFAULT_POLICY.idle_timeout_s  # 0 = never stop for idleness
+    drain_timeout_s: float = DEFAULT_POLICY.drain_timeout_s
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     #: a process that exits non-zero with one of these in its last lines failed fatally, not just crashed
     fatal_patterns: tuple[str, ...] = ()
