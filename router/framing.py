@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.errors import anthropic_error
+from router.errors import anthropic_error, error_body
 from router.events import sse_comment
 
 __all__ = ["ANTHROPIC", "OPENAI", "Framing", "framing_of", "held_end"]
@@ -47,8 +47,7 @@ class Framing:
 
 
 def _openai_error(message: str, code: str, status: int) -> bytes:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_body(message, "server_error", code) + b"\n\ndata: [DONE]\n\n"
 
 
 def _anthropic_error(message: str, code: str, status: int) -> bytes:
