@@ -50,6 +50,8 @@ _USAGE = re.compile(rb'"usage"\s*:\s*\{[^{}]*?"prompt_tokens"\s*:\s*(\d+)[^{}]*?
 _TOKEN_EVENT = b'"finish_reason":null'
 #: The Responses API's (modelserver/api/responses.py): text deltas, and usage as input/output tokens.
 _RESPONSES_TOKEN_EVENT = b'"type":"response.output_text.delta"'
+#: Anthropic's Messages API (modelserver/api/messages.py): content block deltas; its usage has the same names.
+_MESSAGES_TOKEN_EVENT = b'"type":"content_block_delta"'
 _RESPONSES_USAGE = re.compile(rb'"usage"\s*:\s*\{\s*"input_tokens"\s*:\s*(\d+).*?"output_tokens"\s*:\s*(\d+)', re.S)
 
 _CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("ovrouter_request", default=None)
@@ -274,7 +276,7 @@ class _Watcher:
 
     def _observe(self, body: bytes) -> None:
         record = self.record
-        events = body.count(_TOKEN_EVENT) or body.count(_RESPONSES_TOKEN_EVENT)
+        events = body.count(_TOKEN_EVENT) or body.count(_RESPONSES_TOKEN_EVENT) or body.count(_MESSAGES_TOKEN_EVENT)
         if self._opening and events and b'"role"' in body and _TOKEN_EVENT in body:
             events -= 1  # the chat stream's opening chunk carries the role, not a token
         self._opening = False

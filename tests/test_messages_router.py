@@ -67,6 +67,11 @@ async def test_sdk_with_x_api_key_count_tokens_and_anthropic_errors(tmp_path: Pa
         client = sdk(router)
         message = await client.messages.create(**ask("hello from the sdk", model="claude-haiku-4-5"))
         assert message.content[0].text == "hello from the sdk" and message.stop_reason == "end_turn"  # type: ignore
+        async with client.messages.stream(**ask("one two three")) as stream:
+            await stream.get_final_message()
+        records = [r for r in router.service.console.activity.recent if r.path.startswith("/v1/messages")]
+        assert (records[0].prompt_tokens, records[0].completion_tokens) == (4, 4)  # usage read for the metrics
+        assert records[1].ttft_s is not None and records[1].completion_tokens == 3  # and the stream's tokens
         counted = await client.messages.count_tokens(model="echo", messages=ask("hello from the sdk")["messages"])
         assert counted.input_tokens == message.usage.input_tokens
         beta = await client.beta.messages.create(**ask("beta route"))  # POST /v1/messages?beta=true
