@@ -45,8 +45,9 @@ class RouterSettings(_Frozen):
 
     host: str = Field("127.0.0.1", description="address the router listens on")
     port: int = Field(8080, ge=0, le=65535, description="port the router listens on")
-    api_keys: tuple[str, ...] = Field((), description="Bearer keys for /v1 and /upstream; empty = open")
-    admin_keys: tuple[str, ...] = Field((), description="Bearer keys for /api and /metrics; empty = same as api_keys")
+    api_keys: tuple[str, ...] = Field((), description="Bearer (or x-api-key) keys for /v1 and /upstream; empty = open")
+    admin_keys: tuple[str, ...] = Field(
+        (), description="Bearer (or x-api-key) keys for /api and /metrics; empty = same as api_keys")
     state_dir: str = Field(".ovrouter", description="sockets, logs, converted models (relative to the config file)")
     cache_dir: str = Field(".ovrouter/ov-cache", description="OpenVINO CACHE_DIR handed to every model server")
     transport: Literal["uds", "tcp"] = Field("uds", description="how the router reaches model servers: uds | tcp")
