@@ -130,7 +130,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
             if not body["stream"]:
                 text = (await resp.json())["choices"][0]["message"]["content"]
             else:
-                cause, text = await read_stream(resp)
+                cause, text = await read_stream(resp, body["model"])
                 if cause != "ok":
                     return cause
             if body["model"] != "smollm2" and text != unbroken(body):
@@ -143,7 +143,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
         return "conn"
 
 
-async def read_stream(resp: aiohttp.ClientResponse) -> tuple[str, str]:
+async def read_stream(resp: aiohttp.ClientResponse, model: str = "") -> tuple[str, str]:
     errored, text = False, ""
     async for raw in resp.content:
         line = raw.decode(errors="replace").strip()
@@ -151,6 +151,7 @@ async def read_stream(resp: aiohttp.ClientResponse) -> tuple[str, str]:
             return ("error event" if errored else "ok"), text
         if line.startswith("data: ") and '"error"' in line:
             errored = True
+            SAMPLES.setdefault((model, 0), line[6:246])  # the first error event per model, printed with the figures
         elif line.startswith("data: {"):
             for choice in json.loads(line[6:]).get("choices") or ():
                 text += (choice.get("delta") or {}).get("content") or ""
@@ -292,7 +293,8 @@ def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[
         print(f"{model:<10} {cause:<14} {count:>8} {times[len(times) // 2]:>9.3f} {times[-1]:>7.2f}")
     print(f"poison (marker) requests: {dict(tally.poison)}")
     for (model, status), sample in sorted(SAMPLES.items()):
-        print(f"  first {status} of {model}: {sample}")
+        what = {0: "error event", -1: "garbled answer"}.get(status, str(status))
+        print(f"  first {what} of {model}: {sample}")
     print(f"hung: {len(tally.hung)}  cut streams without an error event: {len(tally.cut)}  orphans: {len(orphans)}")
     beside = tally.beside()
     print(f"garbled answers: {len(tally.garbled)}  clean requests failed beside {'/'.join(BESIDE)}: {len(beside)} "
