@@ -211,7 +211,7 @@ class ModelSpec(_Frozen):
     )
     retry_on_fatal: bool = for_router(True, description="retry a non-streamed request once on the fresh backend")
     max_resumes: int = for_router(
-        1, ge=0, description="times a stream is continued on a fresh process after its backend died; 0 = cut it"
+        2, ge=0, description="times a stream is continued on a fresh process after its backend died; 0 = cut it"
     )
     stall_timeout_s: float = for_router(
         60, gt=0, description="a stream without a token this long (health still fine) means a hung backend"

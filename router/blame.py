@@ -9,7 +9,8 @@ alone in a process that crashed or hung on its own is the likely cause (a *poiso
 request): it is answered at once, naming itself as the cause, and never sent again — as
 is a request that already had its second chance and took a second process down with it
 alone. A second death shared with other requests blames none of them (a poison neighbour
-retried beside them is as likely): each gets an ordinary 502 and is not sent a third time.
+retried beside them is as likely): each gets an ordinary 502 and is not sent a third time —
+but a stream under way is resumed again while ``max_resumes`` allows (default 2).
 
 *Suspects* (:func:`suspect`): the requests of a death shared by several, not caused from
 outside. One of them may be the poison, so their second tries run one at a time (the
@@ -59,8 +60,10 @@ def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
 
     ``second``: the request already had a retry or resume; ``streaming``: its stream had started.
     """
-    if second:  # never a third try; named the cause only when it took a process down alone
-        return "again" if external(death) else "blame" if death.in_flight <= 1 else "fail"
+    if second:  # named the cause only when it took a process down alone
+        if external(death) or (streaming and death.in_flight > 1):
+            return "again"  # not its doing, or a neighbour's as likely: a stream goes on while max_resumes allows
+        return "blame" if death.in_flight <= 1 else "fail"  # never a third try of a request with nothing sent
     if death.cause == "hang" and streaming:
         return "again"  # tokens were flowing when it hung: the device, not the request
     if not innocent(death):

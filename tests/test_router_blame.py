@@ -30,6 +30,8 @@ SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
         (Death("fatal", -9, in_flight=2), True, False, "fail"),
         (Death("fatal", -9, in_flight=1), True, True, "blame"),
         (Death("crash", KILL, in_flight=1), True, False, "again"),  # killed from outside twice: not its doing
+        (Death("hang", -9, in_flight=3), True, True, "again"),  # a resumed stream caught again beside others
+        (Death("crash", 86, in_flight=1), True, True, "blame"),  # ... but alone: it is the cause
     ],
 )
 def test_verdict(death: Death, second: bool, streaming: bool, expected: str) -> None:
