@@ -10,17 +10,17 @@ from collections.abc import Sequence
 
 from starlette.routing import BaseRoute
 
-from modelserver.api import audio, chat, embeddings, messages, rerank, responses, tokenize, vlm
+from modelserver.api import audio, chat, embeddings, messages, ollama, rerank, responses, tokenize, vlm
 
 __all__ = ["TASK_ROUTES", "routes_for"]
 
 TASK_ROUTES: dict[str, Sequence[BaseRoute]] = {
-    "llm": [*chat.routes, *tokenize.routes, *responses.routes, *messages.routes],
-    "embeddings": embeddings.routes,
+    "llm": [*chat.routes, *tokenize.routes, *responses.routes, *messages.routes, *ollama.chat_routes],
+    "embeddings": [*embeddings.routes, *ollama.embedding_routes],
     "rerank": rerank.routes,
     "transcription": audio.transcription_routes,
     "speech": audio.speech_routes,
-    "vlm": [*vlm.routes, *tokenize.routes, *responses.routes, *messages.routes],
+    "vlm": [*vlm.routes, *tokenize.routes, *responses.routes, *messages.routes, *ollama.chat_routes],
 }
 
 

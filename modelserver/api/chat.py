@@ -65,7 +65,8 @@ from modelserver.protocol import (
 from modelserver.textstream import StopMatcher
 from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
-__all__ = ["Run", "chat_turns", "routes", "sampling", "shape_for", "template_call"]
+__all__ = ["Run", "chat_turns", "close_runs", "collect", "routes", "sampling", "shape_for", "start_runs",
+           "template_call", "tool_finish"]
 
 T = TypeVar("T")
 Shape = ChatShape | TextShape
@@ -179,7 +180,7 @@ class Run:
         self.finish = self.stream.finish_reason or "stop"
 
 
-async def _start(request: Request, generator: TextGenerator, generations: list[GenerationRequest],
+async def start_runs(request: Request, generator: TextGenerator, generations: list[GenerationRequest],
                  stops: list[str]) -> list[Run]:
     rt = runtime(request)
     runs: list[Run] = []
@@ -190,7 +191,7 @@ async def _start(request: Request, generator: TextGenerator, generations: list[G
         with engine_errors(rt):
             await until_disconnect(request, _all(run.start() for run in runs))
     except BaseException as exc:
-        await _close(request, runs, "error" if isinstance(exc, ModelServerError) else "cancelled")
+        await close_runs(request, runs, "error" if isinstance(exc, ModelServerError) else "cancelled")
         raise
     return runs
 
@@ -203,7 +204,7 @@ async def _all(works: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
     return list(await asyncio.gather(*pending))
 
 
-async def _close(request: Request, runs: list[Run], unfinished: str = "cancelled") -> None:
+async def close_runs(request: Request, runs: list[Run], unfinished: str = "cancelled") -> None:
     """Close every run and note the access log's counts; a run that did not finish is ``unfinished``
     (``error`` for a refused request, e.g. one over the context, ``cancelled`` for a client gone)."""
     for run in runs:
@@ -232,18 +233,18 @@ async def _respond(request: Request, body: Body, generation: GenerationRequest, 
                    parser: str | None = None, logprobs: bool = False) -> Response:
     generator = engine_as(request, TextGenerator)
     note(request, stream=body.stream)
-    runs = await _start(request, generator, _copies(generation, body.n), body.stop_strings())
+    runs = await start_runs(request, generator, _copies(generation, body.n), body.stop_strings())
     if body.stream:
-        return SSEResponse(_events(runs, shape, parser, logprobs, request), lambda: _close(request, runs))
+        return SSEResponse(_events(runs, shape, parser, logprobs, request), lambda: close_runs(request, runs))
     try:
         with engine_errors(runtime(request)):
             choices = await until_disconnect(
-                request, _all(_collect(run, i, parser, logprobs) for i, run in enumerate(runs))
+                request, _all(collect(run, i, parser, logprobs) for i, run in enumerate(runs))
             )
     except ClientGone:
         return Response(status_code=499)
     finally:
-        await _close(request, runs)
+        await close_runs(request, runs)
     return JSONResponse(shape.body(list(choices), _usage(runs, shape)))
 
 
@@ -256,7 +257,7 @@ def logprob_entries(stream: TextStream) -> list[dict[str, Any]]:
     ]
 
 
-async def _collect(run: Run, index: int, parser: str | None, logprobs: bool) -> Choice:
+async def collect(run: Run, index: int, parser: str | None, logprobs: bool) -> Choice:
     text = "".join([delta async for delta in run.deltas()])
     finish = run.finish or "stop"
     entries = logprob_entries(run.stream) if logprobs else None
@@ -264,10 +265,10 @@ async def _collect(run: Run, index: int, parser: str | None, logprobs: bool) -> 
         return Choice(index, text, finish, logprobs=entries)
     parsed = parse_tool_calls(parser, drop_cut_call(parser, text) if finish == "length" else text)
     calls = [call.as_openai() for call in parsed.calls]
-    return Choice(index, parsed.content, _tool_finish(finish, bool(calls)), calls, entries)
+    return Choice(index, parsed.content, tool_finish(finish, bool(calls)), calls, entries)
 
 
-def _tool_finish(finish: str, called: bool) -> str:
+def tool_finish(finish: str, called: bool) -> str:
     """``tool_calls`` when the answer holds calls, unless ``max_tokens`` cut it (then ``length``)."""
     return "tool_calls" if called and finish != "length" else finish
 
@@ -288,7 +289,7 @@ async def _choice_events(run: Run, index: int, shape: Shape, parser: str | None,
         for event in _split(shape, splitter, index, *splitter.finish(cut=run.finish == "length")):
             yield event
         calls_sent = splitter.calls_sent
-    finish = _tool_finish(run.finish or "stop", calls_sent > 0)
+    finish = tool_finish(run.finish or "stop", calls_sent > 0)
     yield sse(shape.closing(finish, index, logprob_entries(run.stream) if logprobs else None))
 
 

@@ -154,15 +154,17 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 class SSEResponse(StreamingResponse):
-    """A server-sent-event stream whose ``on_close`` always runs, however the stream ends.
+    """A server-sent-event stream (or another ``media_type``: NDJSON) whose ``on_close`` always runs, however the
+    stream ends.
 
     A disconnect cancels the streaming task at any await, possibly outside the body
     iterator, which then is never closed; closing here frees the engine's slot at once.
     """
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 media_type: str = "text/event-stream") -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
+        super().__init__(events, media_type=media_type, headers=headers)
         self._events = events
         self._on_close = on_close
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
 import numpy as np
 from starlette.requests import Request
@@ -30,11 +31,11 @@ from modelserver.api.common import (
     spec,
     until_disconnect,
 )
-from modelserver.engines.base import Embedder
+from modelserver.engines.base import Embedder, EmbeddingResult
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.protocol import EmbeddingRequest
 
-__all__ = ["encode_vector", "routes", "shorten"]
+__all__ = ["embed_texts", "encode_vector", "routes", "shorten"]
 
 
 def encode_vector(vector: Sequence[float], encoding_format: str) -> Sequence[float] | str:
@@ -62,22 +63,33 @@ def shorten(vectors: Sequence[Sequence[float]], dimensions: int | None, embedder
     return [row.tolist() for row in cut]
 
 
-async def embeddings(request: Request) -> Response:
-    body = await read_body(request, EmbeddingRequest)
+async def embed_texts(request: Request, texts: list[str], truncate: bool, dimensions: int | None) -> EmbeddingResult:
+    """The vectors of ``texts``, cut to ``dimensions`` (every embeddings route's one way to the engine);
+    :class:`ClientGone` when the client left first."""
     embedder = engine_as(request, Embedder)
-    if body.dimensions is not None and not embedder.matryoshka:  # before the work: refused whatever the input
-        shorten([], body.dimensions, embedder)
-    texts = body.texts()
+    if dimensions is not None and not embedder.matryoshka:  # before the work: refused whatever the input
+        shorten([], dimensions, embedder)
     try:
         with engine_errors(runtime(request)):
-            result = await until_disconnect(request, embedder.embed(texts, body.truncate))
+            result = await until_disconnect(request, embedder.embed(texts, truncate))
     except ClientGone:
         note(request, finish="cancelled")
-        return Response(status_code=499)
+        raise
     note(request, inputs=len(texts), prompt_tokens=result.prompt_tokens)
+    if dimensions is None:
+        return result
+    return replace(result, vectors=cast(list[list[float]], shorten(result.vectors, dimensions, embedder)))
+
+
+async def embeddings(request: Request) -> Response:
+    body = await read_body(request, EmbeddingRequest)
+    try:
+        result = await embed_texts(request, body.texts(), body.truncate, body.dimensions)
+    except ClientGone:
+        return Response(status_code=499)
     data: list[dict[str, Any]] = [
         {"object": "embedding", "index": i, "embedding": encode_vector(vector, body.encoding_format)}
-        for i, vector in enumerate(shorten(result.vectors, body.dimensions, embedder))
+        for i, vector in enumerate(result.vectors)
     ]
     counts = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return FastJSONResponse({"object": "list", "data": data, "model": spec(request).name, "usage": counts})

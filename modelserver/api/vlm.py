@@ -24,7 +24,7 @@ from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.images import decode_data_url
 from modelserver.protocol import ChatCompletionRequest, ChatMessage, ChatShape, ContentPart
 
-__all__ = ["routes", "vision_turns"]
+__all__ = ["routes", "vision_request", "vision_turns"]
 
 
 def _image_url(part: ContentPart, where: str) -> str:
@@ -74,16 +74,21 @@ def vision_turns(messages: list[ChatMessage]) -> tuple[tuple[ChatTurn, ...], tup
     return turns, tuple(images)
 
 
+async def vision_request(request: Request, body: ChatCompletionRequest, tools: tuple[dict[str, Any], ...],
+                         constraint: Any) -> VisionRequest:
+    """The generation ``body`` asks for, its images decoded (off the event loop)."""
+    turns, images = await asyncio.to_thread(vision_turns, body.messages)
+    note(request, images=len(images))
+    return VisionRequest(chat.sampling(body, spec(request).default_max_tokens), turns, images, tools, constraint)
+
+
 async def vlm_chat_completions(request: Request) -> Response:
     body = await read_body(request, ChatCompletionRequest)
     body.refuse_unsupported(spec(request).max_n)
     if body.logprobs:
         raise UnsupportedParameter("logprobs: the vlm engine does not report logprobs", param="logprobs")
     tools, constraint, parse = chat_plan(body, engine_as(request, TextGenerator).tool_parser)
-    turns, images = await asyncio.to_thread(vision_turns, body.messages)
-    note(request, images=len(images))
-    sampling = chat.sampling(body, spec(request).default_max_tokens)
-    generation = VisionRequest(sampling, turns, images, tools, constraint)
+    generation = await vision_request(request, body, tools, constraint)
     parser = engine_as(request, TextGenerator).tool_parser if parse else None
     shape = chat.shape_for(request, ChatShape, body)
     return await chat._respond(request, body, generation, shape, parser)  # type: ignore[arg-type]
