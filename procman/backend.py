@@ -138,10 +138,31 @@ class Backend:
         """READY with nothing in flight: what idle stop and eviction may stop."""
         return self.state is State.READY and self.counters.in_flight == 0 and not self.counters.draining
 
+    @property
+    def kept_loaded(self) -> bool:
+        """A client asked to keep it loaded until its next change (``keep_alive(inf)``): pinned meanwhile."""
+        return self.counters.keep_s == float("inf")
+
+    def idle_stop_in_s(self) -> float | None:
+        """Seconds until the idle stop of the READY process (from now, or from its last request's end when
+        requests are in flight: counted once they are done); None when it is not READY or never stops."""
+        after = m.idle_after_s(self.counters, self._tuning)
+        if self.state is not State.READY or after is None:
+            return None
+        if self.counters.in_flight or self.counters.draining:
+            return after
+        return max(0.0, self.counters.idle_since + after - self._rt.clock())
+
     def forgive(self, generations: Iterable[int]) -> None:
         """The deaths of ``generations`` were a poison request's doing (the router named it): those counted as
         failures come off the count, so the request does not push the model into backoff."""
         self._post(m.Forgive(tuple(sorted(set(generations)))))
+
+    def keep_alive(self, keep_s: float) -> None:
+        """How long the process stays loaded once idle (a client's ``keep_alive``): 0 stops it as soon as
+        nothing is in flight, ``inf`` keeps (and pins) it until the spec changes or it is stopped, any other
+        value keeps it at least that long. Forgotten when the process stops or the settings change."""
+        self._post(m.KeepAlive(keep_s))
 
     def _forgiven(self, event: m.Forgive) -> m.Forgive:
         """``event`` with its count: the deaths among its generations that were counted, now blamed."""

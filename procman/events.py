@@ -128,9 +128,18 @@ class DrainTimeout:
     """``drain_timeout_s`` passed with requests still in flight."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """A client asked how long the process stays loaded once idle (Ollama's ``keep_alive``): ``keep_s`` 0
+    stops it as soon as nothing is in flight, ``inf`` keeps it (and pins it) until the model's next change,
+    anything else keeps it at least that long (the longer of ``keep_s`` and ``idle_timeout_s``)."""
+
+    keep_s: float
+
+
 Event = (
     Want | Done | Stop | Close | Restart | Update | Retune | Started | Exited | Hung | Reaped | RetryDue | IdleTick
-    | DrainTimeout | Forgive
+    | DrainTimeout | Forgive | KeepAlive
 )
 
 

@@ -35,6 +35,7 @@ from procman.events import (
     GiveUp,
     Hung,
     IdleTick,
+    KeepAlive,
     Notify,
     Park,
     Reap,
@@ -78,6 +79,7 @@ __all__ = [
     "GiveUp",
     "Hung",
     "IdleTick",
+    "KeepAlive",
     "Notify",
     "Park",
     "Policy",
@@ -98,6 +100,7 @@ __all__ = [
     "Watch",
     "decide",
     "failures_now",
+    "idle_after_s",
 ]
 
 #: A request that finds its model relaunching after a run-time failure waits for the fresh process
@@ -147,6 +150,7 @@ class Counters(NamedTuple):
     swap: bool = False  # a new spec waits for the process to go
     closed: bool = False  # removed or shutting down: no start ever again
     died: bool = False  # the last failure was a running process's death (a relaunch is worth waiting for)
+    keep_s: float | None = None  # a client's keep-alive (KeepAlive) until the process stops or the spec changes
 
 
 class Decision(NamedTuple):
@@ -164,6 +168,22 @@ def failures_now(state: State, counters: Counters, policy: Policy, now: float) -
     if state is S.READY and c.ready_at is not None and now - c.ready_at >= policy.restart.stable_after_s:
         return 0
     return c.failures
+
+
+def idle_after_s(counters: Counters, policy: Policy) -> float | None:
+    """How long the READY process may stay idle before it is stopped; None: never.
+
+    ``idle_timeout_s`` (0 = never), unless a client's keep-alive says otherwise: 0 stops it once idle,
+    ``inf`` never, another value keeps it at least that long.
+    """
+    keep, idle = counters.keep_s, policy.idle_timeout_s
+    if keep is None:
+        return idle if idle > 0 else None
+    if keep <= 0:
+        return 0.0
+    if keep == float("inf") or idle <= 0:
+        return None
+    return max(idle, keep)
 
 
 def backoff_remaining(counters: Counters, now: float) -> float:
@@ -217,14 +237,17 @@ def _on_done(state: State, e: Done, c: Counters, p: Policy, now: float) -> Decis
         return _same(state, c)
     if c.draining:  # READY -> STOPPING: the last request of a drain ended
         return Decision(S.STOPPING, c._replace(draining=False), (Disarm("drain"), Terminate()))
-    return _same(state, c, *_arm_idle(p, p.idle_timeout_s))
+    return _same(state, c, *_arm_idle(c, p, now))
 
 
-def _arm_idle(p: Policy, delay_s: float) -> tuple[Effect, ...]:
-    return (Arm("idle", delay_s),) if p.idle_timeout_s > 0 else (Disarm("idle"),)
+def _arm_idle(c: Counters, p: Policy, now: float) -> tuple[Effect, ...]:
+    """The idle timer for a READY process with nothing in flight, counted from ``idle_since``."""
+    after = idle_after_s(c, p)
+    return (Arm("idle", max(0.0, c.idle_since + after - now)),) if after is not None else (Disarm("idle"),)
 
 
 def _stop(state: State, c: Counters, p: Policy, reason: str, drain: bool) -> Decision:
+    c = c._replace(keep_s=None)  # asked to stop: a client's keep-alive no longer holds it
     if state is S.STOPPED:
         return _same(state, c)
     if state is S.BACKOFF:  # BACKOFF -> STOPPED: the pending relaunch is cancelled
@@ -327,9 +350,10 @@ def _on_reaped(state: State, e: Reaped, c: Counters, p: Policy, now: float) -> D
             recover and isinstance(recover[0], FollowUp | Arm)
             and backoff_remaining(c, now) <= WAIT_FOR_RELAUNCH_S) else ()
         return Decision(S.BACKOFF, c._replace(wanted=c.wanted and not park), (*swap, *park, *recover))
-    # STOPPING -> STOPPED
+    # STOPPING -> STOPPED: a client's keep-alive was for the process that stopped
     again: tuple[Effect, ...] = (FollowUp(Want()),) if c.wanted and not c.closed else ()
-    return Decision(S.STOPPED, c._replace(wanted=False, auto=False), (*swap, Notify("stop", c.reason), *again))
+    c = c._replace(wanted=False, auto=False, keep_s=None)
+    return Decision(S.STOPPED, c, (*swap, Notify("stop", c.reason), *again))
 
 
 def _on_started(state: State, e: Started, c: Counters, p: Policy, now: float) -> Decision:
@@ -337,7 +361,7 @@ def _on_started(state: State, e: Started, c: Counters, p: Policy, now: float) ->
         return _same(state, c)
     if e.outcome == "ok" and c.abort is None:  # STARTING -> READY
         c = c._replace(generation=c.generation + 1, ready_at=now, idle_since=now, wanted=False, then="stop")
-        effects = (Notify("start", c.reason), Watch(), *_arm_idle(p, p.idle_timeout_s), Wake())
+        effects = (Notify("start", c.reason), Watch(), *_arm_idle(c, p, now), Wake())
         return Decision(S.READY, c, effects)
     if e.outcome == "ok" or (e.outcome == "aborted" and e.has_process):  # STARTING -> STOPPING
         then: Then = "start" if c.abort == "reload" else "stop"
@@ -381,13 +405,21 @@ def _on_retry(state: State, e: RetryDue, c: Counters, p: Policy, now: float) -> 
 
 
 def _on_idle(state: State, e: IdleTick, c: Counters, p: Policy, now: float) -> Decision:
-    if state is not S.READY or c.draining or c.in_flight or p.idle_timeout_s <= 0:
+    after = idle_after_s(c, p)
+    if state is not S.READY or c.draining or c.in_flight or after is None:
         return _same(state, c)
-    left = c.idle_since + p.idle_timeout_s - now
+    left = c.idle_since + after - now
     if left > 0:
         return _same(state, c, Arm("idle", left))
-    # READY -> STOPPING: idle for idle_timeout_s
+    # READY -> STOPPING: idle for idle_timeout_s (or a client's keep-alive)
     return Decision(S.STOPPING, c._replace(then="stop", reason="idle"), (Terminate(),))
+
+
+def _on_keep_alive(state: State, e: KeepAlive, c: Counters, p: Policy, now: float) -> Decision:
+    c = c._replace(keep_s=e.keep_s)
+    if state is not S.READY or c.draining or c.in_flight:
+        return _same(state, c)  # a start arms the timer with it; so does the last request's Done
+    return _same(state, c, *_arm_idle(c, p, now))
 
 
 def _on_drain_timeout(state: State, e: DrainTimeout, c: Counters, p: Policy, now: float) -> Decision:
@@ -399,6 +431,7 @@ def _on_drain_timeout(state: State, e: DrainTimeout, c: Counters, p: Policy, now
 def _on_update(state: State, e: Update, c: Counters, p: Policy, now: float) -> Decision:
     if c.closed:
         return _same(state, c)
+    c = c._replace(keep_s=None)  # a new spec: clients' keep-alive ends
     fresh = c._replace(failures=0, backoff_until=None)
     if state is S.STOPPED:
         return _same(state, fresh, Swap())
@@ -418,9 +451,10 @@ def _on_update(state: State, e: Update, c: Counters, p: Policy, now: float) -> D
 
 
 def _on_retune(state: State, e: Retune, c: Counters, p: Policy, now: float) -> Decision:
+    c = c._replace(keep_s=None)  # changed settings: clients' keep-alive ends
     if state is not S.READY:
         return _same(state, c)
-    idle = () if c.in_flight or c.draining else _arm_idle(p, c.idle_since + p.idle_timeout_s - now)
+    idle = () if c.in_flight or c.draining else _arm_idle(c, p, now)
     return _same(state, c, Watch(), *idle)
 
 
@@ -452,4 +486,5 @@ _HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]]
     Forgive: _on_forgive,
     IdleTick: _on_idle,
     DrainTimeout: _on_drain_timeout,
+    KeepAlive: _on_keep_alive,
 }

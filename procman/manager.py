@@ -185,7 +185,7 @@ class ProcessManager:
             backend = self._backends.get(name)
             if backend is not None:
                 going = name in self._evicting or backend.state is State.STOPPING
-                pinned = self._claim(name).pinned
+                pinned = self._claim(name).pinned or backend.kept_loaded
                 members.append(Member(name, backend.is_idle(), backend.last_used or 0.0, going, pinned))
         return members
 
@@ -206,7 +206,7 @@ class ProcessManager:
         ready_at = backend.counters.ready_at
         return Holder(
             key, claim.device, claim.size_bytes, idle=backend.is_idle(), last_used=backend.last_used or 0.0,
-            pinned=claim.pinned, evictable_at=(ready_at or 0.0) + claim.min_residency_s,
+            pinned=claim.pinned or backend.kept_loaded, evictable_at=(ready_at or 0.0) + claim.min_residency_s,
             starting=backend.state is State.STARTING, going=leaving or backend.state is State.STOPPING,
         )
 

@@ -30,6 +30,7 @@ from procman.machine import (
     GiveUp,
     Hung,
     IdleTick,
+    KeepAlive,
     Notify,
     Park,
     Policy,
@@ -50,6 +51,7 @@ from procman.machine import (
     Watch,
     decide,
     failures_now,
+    idle_after_s,
 )
 from procman.states import ALLOWED
 
@@ -471,3 +473,56 @@ def test_forgiven_deaths_leave_the_count_and_bring_the_relaunch_sooner() -> None
 def test_forgive_in_ready_lowers_the_count_only() -> None:
     state, c, effects = row(S.READY, Forgive((1, 2, 3), 3), C._replace(failures=2))
     assert state is S.READY and c.failures == 0 and effects == ()
+
+
+# -- a client's keep-alive (Ollama's keep_alive) --------------------------------------------------
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize(("keep_s", "idle_s", "after"), [
+    (None, 60.0, 60.0), (None, 0.0, None), (0.0, 60.0, 0.0), (0.0, 0.0, 0.0), (300.0, 60.0, 300.0),
+    (30.0, 60.0, 60.0), (300.0, 0.0, None), (INF, 60.0, None),
+])
+def test_idle_after_is_the_keep_alive_or_the_idle_timeout(keep_s: float | None, idle_s: float,
+                                                         after: float | None) -> None:
+    assert idle_after_s(C._replace(keep_s=keep_s), replace(P, idle_timeout_s=idle_s)) == after
+
+
+def test_keep_alive_zero_on_an_idle_ready_backend_arms_the_idle_stop_now() -> None:
+    state, c, effects = row(S.READY, KeepAlive(0.0))
+    assert state is S.READY and c.keep_s == 0.0 and effects == (Arm("idle", 0.0),)
+    assert row(S.READY, IdleTick(), c)[0] is S.STOPPING
+
+
+def test_keep_alive_with_requests_in_flight_waits_for_the_last_done() -> None:
+    _, c, effects = row(S.READY, KeepAlive(0.0), C._replace(in_flight=1))
+    assert effects == () and c.keep_s == 0.0
+    assert row(S.READY, Done(), c)[2] == (Arm("idle", 0.0),)
+
+
+def test_keep_alive_forever_disarms_the_idle_stop_and_a_tick_is_ignored() -> None:
+    _, c, effects = row(S.READY, KeepAlive(INF))
+    assert effects == (Disarm("idle"),)
+    assert row(S.READY, IdleTick(), c._replace(idle_since=0.0))[2] == ()
+
+
+def test_keep_alive_longer_than_the_idle_timeout_rearms_for_the_rest_of_it() -> None:
+    assert row(S.READY, KeepAlive(100.0))[2] == (Arm("idle", 50.0),)  # idle since 950, now 1000
+
+
+def test_keep_alive_while_stopped_is_remembered_for_the_start() -> None:
+    _, c, effects = row(S.STOPPED, KeepAlive(INF))
+    assert effects == () and c.keep_s == INF
+    assert row(S.STARTING, Started("ok"), c)[2] == (Notify("start", ""), Watch(), Disarm("idle"), Wake())
+
+
+@pytest.mark.parametrize("event", [Stop("unload"), Update(), Retune()])
+def test_a_stop_or_a_changed_spec_ends_the_keep_alive(event: Any) -> None:
+    assert row(S.READY, event, C._replace(keep_s=INF))[1].keep_s is None
+
+
+def test_the_stop_of_the_process_ends_the_keep_alive() -> None:
+    stopping = C._replace(keep_s=300.0, then="stop", reason="idle")
+    state, c, _ = row(S.STOPPING, Reaped(), stopping)
+    assert state is S.STOPPED and c.keep_s is None
