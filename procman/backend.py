@@ -158,10 +158,11 @@ class Backend:
         failures come off the count, so the request does not push the model into backoff."""
         self._post(m.Forgive(tuple(sorted(set(generations)))))
 
-    def keep_alive(self, keep_s: float) -> None:
+    def keep_alive(self, keep_s: float | None) -> None:
         """How long the process stays loaded once idle (a client's ``keep_alive``): 0 stops it as soon as
         nothing is in flight, ``inf`` keeps (and pins) it until the spec changes or it is stopped, any other
-        value keeps it at least that long. Forgotten when the process stops or the settings change."""
+        value keeps it at least that long, None goes back to ``idle_timeout_s``. Forgotten when the process
+        stops or the settings change."""
         self._post(m.KeepAlive(keep_s))
 
     def _forgiven(self, event: m.Forgive) -> m.Forgive:

@@ -132,9 +132,10 @@ class DrainTimeout:
 class KeepAlive:
     """A client asked how long the process stays loaded once idle (Ollama's ``keep_alive``): ``keep_s`` 0
     stops it as soon as nothing is in flight, ``inf`` keeps it (and pins it) until the model's next change,
-    anything else keeps it at least that long (the longer of ``keep_s`` and ``idle_timeout_s``)."""
+    anything else keeps it at least that long (the longer of ``keep_s`` and ``idle_timeout_s``); None: back to
+    ``idle_timeout_s``."""
 
-    keep_s: float
+    keep_s: float | None
 
 
 Event = (

@@ -32,6 +32,7 @@ from starlette.types import Message, Send
 from procman import State
 from router.errors import RouterError, error_body
 from router.events import EventBus
+from router.framing import NDJSON
 from router.loading import Feedback
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ _RESPONSES_TOKEN_EVENT = b'"type":"response.output_text.delta"'
 #: Anthropic's Messages API (modelserver/api/messages.py): content block deltas; its usage has the same names.
 _MESSAGES_TOKEN_EVENT = b'"type":"content_block_delta"'
 _RESPONSES_USAGE = re.compile(rb'"usage"\s*:\s*\{\s*"input_tokens"\s*:\s*(\d+).*?"output_tokens"\s*:\s*(\d+)', re.S)
+#: Ollama's NDJSON streams (/ollama/api/chat, /generate): a token line, and the counts of the final object.
+_ND_TOKEN = b'"done":false'
+_ND_USAGE = re.compile(rb'"prompt_eval_count"\s*:\s*(\d+)[^{}]*?"eval_count"\s*:\s*(\d+)')
 
 _CURRENT: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("ovrouter_request", default=None)
 
@@ -236,13 +240,14 @@ class Activity:
 class _Watcher:
     """The ``send`` handed to the exchange: records what goes by, lets cold-start feedback speak first."""
 
-    __slots__ = ("record", "feedback", "send", "_sse", "_opening", "_tail", "_head", "_ended")
+    __slots__ = ("record", "feedback", "send", "_sse", "_nd", "_opening", "_tail", "_head", "_ended")
 
     def __init__(self, record: RequestRecord, feedback: Feedback | None, send: Send) -> None:
         self.record = record
         self.feedback = feedback
         self.send = send
         self._sse = False
+        self._nd = False  # an NDJSON stream (Ollama's)
         self._opening = True
         self._tail = b""
         self._head = False
@@ -252,11 +257,11 @@ class _Watcher:
         if message["type"] != "http.response.body":
             await self._start(message)
             return
-        if self._sse:
+        if self._sse or self._nd:
             self._observe(message.get("body", b""))
         if not message.get("more_body", False):
             self._ended = True
-            self._usage(self._tail if self._sse else message.get("body", b""))
+            self._usage(self._tail if self._sse or self._nd else message.get("body", b""))
         if self.feedback is not None and self.feedback.rewrites:
             await self.feedback.relay_body(message)
         else:
@@ -268,7 +273,8 @@ class _Watcher:
         for key, value in message.get("headers", ()):
             if key.lower() == b"content-type":
                 self._sse = value.startswith(b"text/event-stream")
-        record.stream = self._sse
+                self._nd = value.startswith(b"application/x-ndjson")
+        record.stream = self._sse or self._nd
         self._head = True
         if self.feedback is not None and await self.feedback.upstream_start(message, self._sse):
             return  # the feedback already sent the response head
@@ -276,8 +282,11 @@ class _Watcher:
 
     def _observe(self, body: bytes) -> None:
         record = self.record
-        events = body.count(_TOKEN_EVENT) or body.count(_RESPONSES_TOKEN_EVENT) or body.count(_MESSAGES_TOKEN_EVENT)
-        if self._opening and events and b'"role"' in body and _TOKEN_EVENT in body:
+        if self._nd:
+            events = body.count(_ND_TOKEN)
+        else:
+            events = body.count(_TOKEN_EVENT) or body.count(_RESPONSES_TOKEN_EVENT) or body.count(_MESSAGES_TOKEN_EVENT)
+        if self._opening and events and not self._nd and b'"role"' in body and _TOKEN_EVENT in body:
             events -= 1  # the chat stream's opening chunk carries the role, not a token
         self._opening = False
         if events:
@@ -286,7 +295,7 @@ class _Watcher:
                 record.ttft_s = now - record.t0
             record.last_token_t = now
             record.token_events += events
-        if b'"usage"' in body or self._tail:
+        if b'"usage"' in body or b'"eval_count"' in body or self._tail:
             self._tail = (self._tail + body)[-4096:]
 
     def _usage(self, body: bytes) -> None:
@@ -294,6 +303,8 @@ class _Watcher:
         record = self.record
         at = body.rfind(b'"usage"')
         found = (_USAGE.match(body, at) or _RESPONSES_USAGE.match(body, at)) if at >= 0 else None
+        if found is None and (at := body.rfind(b'"prompt_eval_count"')) >= 0:  # Ollama's final object
+            found = _ND_USAGE.match(body, at)
         if found:
             record.prompt_tokens, record.completion_tokens = int(found[1]), int(found[2])
             return
@@ -311,7 +322,10 @@ class _Watcher:
         if not head or self._ended:
             raise exc
         self._ended = True
-        if self._sse or self.feedback is not None:
+        if self._nd:
+            await self.send({"type": "http.response.body", "body": NDJSON.error(exc.message, exc.code, exc.status),
+                             "more_body": True})
+        elif self._sse or self.feedback is not None:
             await self.send({"type": "http.response.body", "body": error_event(exc) + DONE, "more_body": True})
         await self.send({"type": "http.response.body", "body": b""})
         return exc.status

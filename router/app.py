@@ -13,8 +13,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router import request
 from router.clientapi import ClientApi
@@ -24,6 +24,8 @@ from router.errors import NotFound, RouterError, error_body, error_response
 from router.events import EventBus
 from router.management import management_routes
 from router.modelstatus import StatusBus
+from router.ollama import PREFIX as OLLAMA_PREFIX
+from router.ollama import OllamaApi
 from router.proxy import forward
 from router.registry import Model
 from router.relay import run_until_disconnect, send_error
@@ -135,7 +137,7 @@ class _UpstreamEndpoint(_ProxyEndpoint):
         return await request.raw(scope, receive, self.service.registry)
 
 
-def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
+def _routes(service: RouterService, client_api: ClientApi) -> list[BaseRoute]:
     proxy, upstream = _ProxyEndpoint(service), _UpstreamEndpoint(service)
 
     async def health(request: Request) -> Response:
@@ -159,7 +161,7 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return routes + management_routes(service) + console_routes(service)
+    return routes + OllamaApi(service).routes() + management_routes(service) + console_routes(service)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -203,6 +205,30 @@ class _FastPath:
             await self.app(scope, receive, send)
 
 
+class _OllamaDoors:
+    """Ollama's API at the root of ``router.ollama_port`` (``/api/chat`` there is ``/ollama/api/chat``; its
+    ``/v1`` is the router's), and OpenAI's ``/v1`` under ``/ollama/v1`` too (Ollama serves both)."""
+
+    def __init__(self, app: ASGIApp, port: int | None) -> None:
+        self.app = app
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            server = scope.get("server")
+            if self.port is not None and server is not None and server[1] == self.port:
+                if path != "/v1" and not path.startswith("/v1/"):
+                    scope = _moved(scope, OLLAMA_PREFIX + path)
+            elif path.startswith(OLLAMA_PREFIX + "/v1/"):
+                scope = _moved(scope, path[len(OLLAMA_PREFIX):])
+        await self.app(scope, receive, send)
+
+
+def _moved(scope: Scope, path: str) -> Scope:
+    return {**scope, "path": path, "raw_path": path.encode("latin-1")}
+
+
 def build_app(config: Config, service: RouterService | None = None) -> Cors:
     """A router app for ``config``; model processes start and stop with its lifespan."""
     service = service or RouterService(config)
@@ -229,5 +255,5 @@ def build_app(config: Config, service: RouterService | None = None) -> Cors:
         exception_handlers={HTTPException: _http_error, RouterError: _router_error, Exception: _unexpected},
     )
     app.state.service = service
-    return Cors(_FastPath(app, service), service)
+    return Cors(_OllamaDoors(_FastPath(app, service), config.router.ollama_port), service)
 

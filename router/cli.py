@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -87,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
                                raise_open_file_limit())
     log.info("connections: at most %d open, request head within %gs, body silence %gs, keep-alive idle %gs",
              limits.max_connections, limits.head_timeout_s, limits.body_timeout_s, settings.keep_alive_timeout_s)
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         build_app(config),
         host=host,
         port=port,
@@ -98,7 +99,14 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         proxy_headers=False,  # the router is the edge; its ProxyHeadersMiddleware costs every request
         timeout_graceful_shutdown=config.router.shutdown_timeout_s,  # type: ignore[arg-type]  # float works; 0 = none
-    )
+    ))
+    sockets = None
+    if settings.ollama_port is not None:  # a second listener, Ollama's API at its root (router.app._OllamaDoors)
+        log.info("Ollama's API: http://%s:%d/ollama and http://%s:%d", shown, port, shown, settings.ollama_port)
+        sockets = [server.config.bind_socket(),
+                   uvicorn.Config(None, host=host, port=settings.ollama_port).bind_socket()]  # type: ignore[arg-type]
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=sockets)
     return 0
 
 

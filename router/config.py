@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from modelserver.spec import PER_MODEL_KEYS, ConfigError, ModelSpec, build_model_spec, format_errors, read_yaml
 from router.budget import parse_budget
@@ -58,6 +58,10 @@ class RouterSettings(_Frozen):
     max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")
+    ollama_port: int | None = Field(
+        None, ge=1, le=65535, description="also serve Ollama's API at the root of this port (e.g. 11434) for apps "
+        "that cannot take a path prefix; null = only under /ollama on `port`"
+    )
     cors_origins: tuple[str, ...] | None = Field(
         None, description='browser origins allowed by CORS ("*" = any); unset = pages on this machine '
         "(http://localhost:*, http://127.0.0.1:*, http://[::1]:*); [] = none"
@@ -95,6 +99,13 @@ class RouterSettings(_Frozen):
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"
     )
+
+    @field_validator("ollama_port")
+    @classmethod
+    def _own_port(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value == info.data.get("port"):
+            raise ValueError(f"expected a port other than router.port ({value}), or null")
+        return value
 
     @field_validator("port_range")
     @classmethod

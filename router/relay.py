@@ -84,7 +84,7 @@ class Tally:
         if self.framing.ended(data):
             done = held_end(data, self.framing)
             data, self.held = data[:done], data[done:]
-        self.chunks += data.count(b"data:")
+        self.chunks += data.count(self.framing.event)
         return data
 
     @property
@@ -99,7 +99,8 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
     runs on."""
     await send({"type": "http.response.start", "status": resp.status, "headers": _response_headers(resp)})
     idle_s = model.spec.stream_idle_timeout_s
-    tally = Tally(framing) if framing is not None and resp.status == 200 and _is_sse(resp) else None
+    tally = Tally(framing) if framing is not None and resp.status == 200 and framing.frames(_content_type(resp)) \
+        else None
     try:
         if resp.complete or (resp.content_length or SMALL_BODY + 1) <= SMALL_BODY:
             body = await resp.read(idle_s)
@@ -124,8 +125,12 @@ async def relay(model: Model, resp: UpstreamReply, send: Send, lease: Lease | No
     return resp.status
 
 
+def _content_type(resp: UpstreamReply) -> bytes:
+    return resp.header(b"content-type") or b""
+
+
 def _is_sse(resp: UpstreamReply) -> bool:
-    return (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
+    return _content_type(resp).startswith(b"text/event-stream")
 
 
 async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc: UpstreamError, tally: Tally | None,
@@ -138,7 +143,7 @@ async def _end_broken_stream(model: Model, resp: UpstreamReply, send: Send, exc:
     else:
         reason = f"model {name!r} broke off the response mid-body"
     log.warning("%s (%s)", reason, exc)
-    if _is_sse(resp):
+    if tally is not None or _is_sse(resp):
         await _end_with_error(send, reason, tally.framing if tally is not None else OPENAI)
         return
     await send({"type": "http.response.body", "body": b""})

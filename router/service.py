@@ -28,8 +28,8 @@ __all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key", "credential", 
 log = logging.getLogger(__name__)
 
 #: router settings that only take effect when the router itself restarts.
-RESTART_ONLY_SETTINGS = ("host", "port", "transport", "state_dir", "port_range", "head_timeout_s", "body_timeout_s",
-                         "keep_alive_timeout_s", "max_connections", "engine")
+RESTART_ONLY_SETTINGS = ("host", "port", "ollama_port", "transport", "state_dir", "port_range", "head_timeout_s",
+                         "body_timeout_s", "keep_alive_timeout_s", "max_connections", "engine")
 
 
 def credential(authorization: str | None, api_key: str | None) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +56,16 @@ class RunningRouter:
 
 
 @contextlib.asynccontextmanager
-async def running_router(config_path: Path, api_key: str | None = None) -> AsyncIterator[RunningRouter]:
+async def running_router(config_path: Path, api_key: str | None = None,
+                         sockets: list[socket.socket] | None = None) -> AsyncIterator[RunningRouter]:
+    """The router on a free port; with ``sockets`` (bound), on those instead (the URL is the first one's)."""
     config = load_config(config_path)
     service = RouterService(config)
     app = build_app(config, service)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
                                            loop="none", http=CoalescingHttpToolsProtocol))
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]  # pytest owns the signals
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=sockets))
     try:
         while not server.started:
             if task.done():
