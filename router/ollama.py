@@ -265,13 +265,14 @@ class _Proxied:
         service = self.api.service
 
         async def work(s: Send) -> int:
-            waited = time.perf_counter_ns()
+            load_ns = 0
             if model.backend.state is not State.READY:  # a cold start: Ollama's load_duration
+                waited = time.perf_counter_ns()
                 try:
                     await model.backend.ensure_ready()
                 except BackendUnavailable as exc:
                     raise unavailable(model.spec.name, exc) from None
-            load_ns = time.perf_counter_ns() - waited
+                load_ns = time.perf_counter_ns() - waited
             timed = replace(req, headers=[*req.headers, (LOAD_HEADER, str(load_ns))])
             return await forward(model, timed, service.pool, s)
 
