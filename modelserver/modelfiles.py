@@ -39,6 +39,7 @@ __all__ = [
     "context_length",
     "gguf_context_length",
     "gguf_metadata",
+    "json_file",
     "served_context",
 ]
 
@@ -99,7 +100,13 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 def config_json(folder: Path) -> dict[str, Any]:
     """``folder/config.json`` as a mapping; ``{}`` when it is missing or not a JSON object."""
-    return dict(_by_stamp(_read_config, folder / "config.json"))
+    return json_file(folder / "config.json")
+
+
+def json_file(path: Path) -> dict[str, Any]:
+    """A JSON object file (``config.json``, ``tokenizer_config.json``) as a mapping; ``{}`` when it is missing or
+    not a JSON object."""
+    return dict(_by_stamp(_read_config, path))
 
 
 def _is_gguf(path: Path) -> bool:

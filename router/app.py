@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -20,15 +19,14 @@ from router import request
 from router.clientapi import ClientApi
 from router.config import Config
 from router.cors import Cors
+from router.endpoint import ProxyEndpoint
 from router.errors import NotFound, RouterError, error_body, error_response
 from router.events import EventBus
 from router.management import management_routes
 from router.modelstatus import StatusBus
 from router.ollama import PREFIX as OLLAMA_PREFIX
 from router.ollama import OllamaApi
-from router.proxy import forward
 from router.registry import Model
-from router.relay import run_until_disconnect, send_error
 from router.request import ProxyRequest
 from router.responses import (
     INPUT_TOKENS_PATH,
@@ -39,7 +37,7 @@ from router.responses import (
     prepare,
     stored_response_routes,
 )
-from router.service import RouterService, check_key, credential, credential_of
+from router.service import RouterService, check_key, credential_of
 from router.ui_routes import console_routes
 
 __all__ = ["build_app"]
@@ -62,54 +60,7 @@ OPENAI_ROUTES = (
 )
 
 
-class _ProxyEndpoint:
-    """Raw ASGI endpoint: the hot path avoids building Request/Response objects."""
-
-    def __init__(self, service: RouterService) -> None:
-        self.service = service
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = time.perf_counter()
-        name, status, held = "-", 500, 0
-        bodies = self.service.registry.bodies
-        try:
-            keys = self.service.config.router.api_keys
-            if keys:  # open: not even the header to look for
-                presented = credential(request.header(scope, b"authorization"), request.header(scope, b"x-api-key"))
-                check_key(presented, keys, "api_keys")
-            charge = request.body_charge(scope, self.service.registry.max_body_bytes)
-            await bodies.take(charge)  # before the body is read: memory stays bounded (503 when full)
-            held = charge
-            model, req = await self.prepare(scope, receive)
-            bodies.give(held - len(req.body))  # a chunked body took the most it could be
-            held = len(req.body)
-            name = model.spec.name
-            activity, pool, client = self.service.console.activity, self.service.pool, request.client_of(scope)
-            status, gone = await run_until_disconnect(
-                lambda s: activity.run(model, req, client, s, lambda s2: forward(model, req, pool, s2)),
-                receive, send, scope["path"],
-            )
-            if gone:
-                log.info("%s %s: client disconnected, upstream closed", name, req.path)
-        except RouterError as exc:
-            status = exc.status
-            await send_error(send, exc, scope["path"])
-        except Exception:  # never a traceback or an HTML page to the client
-            log.exception("unhandled error proxying %s", scope["path"])
-            await send_error(send, RouterError("internal router error; see the router log"), scope["path"])
-        finally:
-            bodies.give(held)
-            self._count(name, status, time.perf_counter() - started)
-
-    def _count(self, name: str, status: int, elapsed_s: float) -> None:
-        if name in self.service.registry.models:
-            self.service.metrics.observe_request(name, status, elapsed_s)
-
-    async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
-        return await request.proxied(scope, receive, self.service.registry)
-
-
-class _ResponsesEndpoint(_ProxyEndpoint):
+class _ResponsesEndpoint(ProxyEndpoint):
     """``POST /v1/responses`` (and ``/input_tokens``): the router's state and stream framing (router/responses.py)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,7 +81,7 @@ class _ResponsesEndpoint(_ProxyEndpoint):
         return model, replace(req, body=prepared.body, headers=headers, opening=start)
 
 
-class _UpstreamEndpoint(_ProxyEndpoint):
+class _UpstreamEndpoint(ProxyEndpoint):
     """``/upstream/{model}/{path}``: any method and path, raw, to one configured backend."""
 
     async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
@@ -138,7 +89,7 @@ class _UpstreamEndpoint(_ProxyEndpoint):
 
 
 def _routes(service: RouterService, client_api: ClientApi) -> list[BaseRoute]:
-    proxy, upstream = _ProxyEndpoint(service), _UpstreamEndpoint(service)
+    proxy, upstream = ProxyEndpoint(service), _UpstreamEndpoint(service)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": len(service.registry.models)})
@@ -195,7 +146,7 @@ class _FastPath:
     def __init__(self, app: Starlette, service: RouterService) -> None:
         self.app = app
         self.service = service
-        self._proxy = _ProxyEndpoint(service)
+        self._proxy = ProxyEndpoint(service)
         self._paths = frozenset(OPENAI_ROUTES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -132,6 +132,8 @@ def error_response(exc: RouterError, path: str = "") -> Response:
 
 #: Routes whose clients speak Anthropic's Messages API: their errors take its shape.
 ANTHROPIC_PATHS = ("/v1/messages",)
+#: Ollama's API (router/ollama.py), whose errors are ``{"error": "..."}``.
+OLLAMA_PATHS = ("/ollama/",)
 #: Anthropic's error ``type`` by HTTP status (the model server's Messages routes use the same table).
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -143,7 +145,10 @@ def anthropic_error(status: int, message: str) -> dict[str, object]:
 
 
 def body_for(exc: RouterError, path: str) -> bytes:
-    """The body of ``exc`` on ``path``: Anthropic's shape on its routes, else OpenAI's."""
+    """The body of ``exc`` on ``path``: Anthropic's shape on its routes, Ollama's ``{"error": "..."}`` under
+    ``/ollama/``, else OpenAI's."""
+    if path.startswith(OLLAMA_PATHS):
+        return json.dumps({"error": exc.message}).encode()
     if path.startswith(ANTHROPIC_PATHS):
         return json.dumps(anthropic_error(exc.status, exc.message)).encode()
     return error_body(exc.message, exc.type, exc.code, exc.param)

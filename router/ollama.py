@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,8 +27,9 @@ from starlette.types import Receive, Scope, Send
 
 from procman import BackendUnavailable, State
 from router import request as proxy_request
-from router.body import check_depth, read_body, too_large
-from router.errors import BadRequest, ModelNotFound, NotFound, RouterError, unavailable
+from router.body import parse_json, read_body, too_large
+from router.endpoint import ProxyEndpoint
+from router.errors import BadRequest, ModelNotFound, NotFound, RouterError, body_for, unavailable
 from router.ollama_cards import keep_alive_s, ollama_names, ps_entry, served, show, tags_entry
 from router.proxy import forward
 from router.registry import Model, Registry
@@ -55,12 +56,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def ollama_error(exc: RouterError) -> Response:
-    headers = {k: v for k, v in exc.headers().items() if k != "content-type"}
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=headers)
-
-
-async def send_ollama_error(send: Send, exc: RouterError) -> None:
-    await ollama_error(exc)({"type": "http"}, _no_receive, send)
+    """``exc`` as Ollama writes errors: ``{"error": "..."}`` (:func:`router.errors.body_for` under ``/ollama/``)."""
+    return Response(body_for(exc, PREFIX + "/"), status_code=exc.status, headers=exc.headers())
 
 
 async def _no_receive() -> Any:
@@ -83,13 +80,7 @@ class Asked:
 
 
 def _asked(body: bytes, path: str) -> Asked:
-    check_depth(body)
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"invalid request body: {exc}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+    data = parse_json(body, 'send a JSON object with a "model"')
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     model = data.get("model") or data.get("name")
@@ -215,54 +206,42 @@ class OllamaApi:
             yield _line({"status": status})
 
 
-class _Proxied:
-    """``/api/chat``, ``/api/generate``, ``/api/embed``, ``/api/embeddings``: to the model's server (raw ASGI)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OllamaRequest(ProxyRequest):
+    asked: Asked
+
+
+class _Proxied(ProxyEndpoint):
+    """``/api/chat``, ``/api/generate``, ``/api/embed``, ``/api/embeddings``: to the model's server, with
+    Ollama's names, load/unload, keep_alive and error shape."""
 
     def __init__(self, api: OllamaApi, path: str) -> None:
+        super().__init__(api.service)
         self.api = api
         self.path = path
         self.tasks = PROXIED[path]
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        service = self.api.service
-        registry, started = service.registry, time.perf_counter()
-        name, status, held = "-", 500, 0
-        try:
-            check_key(proxy_request.header(scope, b"authorization"), service.config.router.api_keys, "api_keys")
-            charge = proxy_request.body_charge(scope, registry.max_body_bytes)
-            await registry.bodies.take(charge)
-            held = charge
-            length = proxy_request.header(scope, b"content-length")
-            body = await read_body(receive, int(length) if length and length.isdigit() else None,
-                                   registry.max_body_bytes)
-            registry.bodies.give(held - len(body))
-            held = len(body)
-            asked = _asked(body, self.path)
-            model = self.api.resolve(asked.model, self.tasks)
-            name = model.spec.name
-            if len(body) > model.spec.max_request_bytes:
-                raise too_large(model.spec.max_request_bytes, f"request body for model {name!r}")
-            if asked.empty:
-                status = await self._load_or_unload(model, asked, send)
-                return
-            headers = proxy_request.upstream_headers(scope["headers"], proxy_request.client_of(scope))
-            req = ProxyRequest("POST", PREFIX + self.path, headers, body, retryable=not asked.stream)
-            status, _gone = await run_until_disconnect(
-                lambda s: self._exchange(model, req, proxy_request.client_of(scope), s), receive, send)
-            model.backend.keep_alive(asked.keep_s)  # each Ollama request sets it; none given: the config's
-        except RouterError as exc:
-            status = exc.status
-            await send_ollama_error(send, exc)
-        except Exception:  # never a traceback or an HTML page to the client
-            log.exception("unhandled error on %s", scope["path"])
-            await send_ollama_error(send, RouterError("internal router error; see the router log"))
-        finally:
-            registry.bodies.give(held)
-            if name in registry.models:
-                service.metrics.observe_request(name, status, time.perf_counter() - started)
+    async def prepare(self, scope: Scope, receive: Receive) -> tuple[Model, ProxyRequest]:
+        registry = self.service.registry
+        body = await read_body(receive, proxy_request.content_length(scope), registry.max_body_bytes)
+        asked = _asked(body, self.path)
+        model = self.api.resolve(asked.model, self.tasks)
+        if len(body) > model.spec.max_request_bytes:
+            raise too_large(model.spec.max_request_bytes, f"request body for model {model.spec.name!r}")
+        headers = proxy_request.upstream_headers(scope["headers"], proxy_request.client_of(scope))
+        return model, OllamaRequest("POST", PREFIX + self.path, headers, body, not asked.stream, asked=asked)
+
+    async def exchange(self, model: Model, req: ProxyRequest, scope: Scope, receive: Receive, send: Send) -> int:
+        asked = cast(OllamaRequest, req).asked
+        if asked.empty:
+            return await self._load_or_unload(model, asked, send)
+        status, _gone = await run_until_disconnect(
+            lambda s: self._exchange(model, req, proxy_request.client_of(scope), s), receive, send, scope["path"])
+        model.backend.keep_alive(asked.keep_s)  # each Ollama request sets it; none given: the config's
+        return status
 
     async def _exchange(self, model: Model, req: ProxyRequest, client: str | None, send: Send) -> int:
-        service = self.api.service
+        service = self.service
 
         async def work(s: Send) -> int:
             load_ns = 0
@@ -276,11 +255,7 @@ class _Proxied:
             timed = replace(req, headers=[*req.headers, (LOAD_HEADER, str(load_ns))])
             return await forward(model, timed, service.pool, s)
 
-        try:
-            return await service.console.activity.run(model, req, client, send, work)
-        except RouterError as exc:  # nothing was sent yet: the answer is the error, in Ollama's shape
-            await send_ollama_error(send, exc)
-            return exc.status
+        return await service.console.activity.run(model, req, client, send, work)
 
     async def _load_or_unload(self, model: Model, asked: Asked, send: Send) -> int:
         """A generate or chat with nothing to answer: load the model, or (``keep_alive`` 0) unload it."""
@@ -312,11 +287,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 async def _json_body(request: Request) -> dict[str, Any]:
     body = await read_body(request.receive, None, 1 << 20)
-    check_depth(body)
-    try:
-        data = json.loads(body or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"invalid request body: {exc}") from None
+    data = parse_json(body or b"{}", 'send a JSON object with a "model"')
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object")
     return data

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modelserver.modelfiles import served_context
 from modelserver.modelinfo import ModelInfo, model_info
 from modelserver.spec import ModelSpec
 from procman import State
@@ -22,7 +23,7 @@ from router.errors import BadRequest
 if TYPE_CHECKING:
     from router.registry import Model, Registry
 
-__all__ = ["OLLAMA_TASKS", "context_length", "keep_alive_s", "ollama_names", "ps_entry", "served", "show", "tags_entry"]
+__all__ = ["OLLAMA_TASKS", "keep_alive_s", "ollama_names", "ps_entry", "served", "show", "tags_entry"]
 
 #: The tasks Ollama's API serves: chat and generate (llm, vlm), embed (embeddings).
 OLLAMA_TASKS = ("llm", "vlm", "embeddings")
@@ -40,15 +41,6 @@ def served(spec: ModelSpec) -> bool:
 def ollama_names(spec: ModelSpec) -> list[str]:
     """The model's names as Ollama lists them: each name and alias, with ``:latest`` when it has no tag."""
     return [name if ":" in name else f"{name}:latest" for name in (spec.name, *spec.aliases)]
-
-
-def context_length(spec: ModelSpec, info: ModelInfo | None = None) -> int | None:
-    """The context the server enforces, loaded or not: the model's own, lowered by ``options.context_length``."""
-    own = (info or model_info(spec.path)).context_length
-    option = spec.options.get("context_length")
-    if isinstance(option, int) and not isinstance(option, bool) and option > 0:
-        return min(option, own) if own else option
-    return own
 
 
 def keep_alive_s(value: Any) -> float | None:
@@ -127,7 +119,7 @@ def show(model: Model, started_at: float) -> dict[str, Any]:
     info = model_info(spec.path)
     arch = info.architecture or spec.task
     model_info_: dict[str, Any] = {"general.architecture": arch, "general.basename": info.basename or spec.name}
-    if (context := context_length(spec, info)) is not None:
+    if (context := served_context(spec)) is not None:
         model_info_[f"{arch}.context_length"] = context
     if info.embedding_length is not None:
         model_info_[f"{arch}.embedding_length"] = info.embedding_length
@@ -147,5 +139,5 @@ def ps_entry(model: Model, registry: Registry, started_at: float) -> dict[str, A
     in_s = backend.idle_stop_in_s()
     entry["expires_at"] = FOREVER if in_s is None else _iso(time.time() + in_s)
     entry["size_vram"] = 0 if model.spec.device.upper().startswith("CPU") else entry["size"]
-    entry["context_length"] = context_length(model.spec)
+    entry["context_length"] = served_context(model.spec)
     return entry

@@ -22,8 +22,8 @@ from router.body import model_of, read_body, too_large
 from router.errors import BadRequest, ModelNotFound
 from router.registry import Model, Registry
 
-__all__ = ["HOP_BY_HOP", "MODEL_OPTIONAL", "ProxyRequest", "body_charge", "client_of", "header", "implied_model",
-           "proxied", "raw", "unknown_model", "upstream_headers"]
+__all__ = ["HOP_BY_HOP", "MODEL_OPTIONAL", "ProxyRequest", "body_charge", "client_of", "content_length", "header",
+           "implied_model", "proxied", "raw", "unknown_model", "upstream_headers"]
 
 HOP_BY_HOP = frozenset(
     {
@@ -104,7 +104,7 @@ def _shown(name: str, limit: int = 100) -> str:
     return repr(name) if len(name) <= limit else f"{name[:limit]!r}... ({len(name)} characters)"
 
 
-def _content_length(scope: Scope) -> int | None:
+def content_length(scope: Scope) -> int | None:
     value = header(scope, b"content-length")
     try:
         return int(value) if value is not None else None
@@ -115,7 +115,7 @@ def _content_length(scope: Scope) -> int | None:
 def body_charge(scope: Scope, limit_bytes: int) -> int:
     """What a request's body may take in memory, known before it is read: its ``Content-Length``
     (413 beyond ``limit_bytes``), ``limit_bytes`` for a chunked one, else 0."""
-    declared = _content_length(scope)
+    declared = content_length(scope)
     if declared is not None:
         if declared > limit_bytes:
             raise too_large(limit_bytes)
@@ -139,7 +139,7 @@ def implied_model(registry: Registry, tasks: tuple[str, ...]) -> str | None:
 
 async def proxied(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model, ProxyRequest]:
     """An OpenAI route: the body names the model; a stream is never retried."""
-    body = await read_body(receive, _content_length(scope), registry.max_body_bytes)
+    body = await read_body(receive, content_length(scope), registry.max_body_bytes)
     implied = implied_model(registry, ENDPOINT_TASKS[scope["path"]]) if scope["path"] in MODEL_OPTIONAL else None
     routed = model_of(body, header(scope, b"content-type") or "application/json", registry.models, implied)
     model = registry.resolve(routed.model)
@@ -163,7 +163,7 @@ async def raw(scope: Scope, receive: Receive, registry: Registry) -> tuple[Model
     model = registry.resolve(params.get("model", ""))
     if model is None:
         raise unknown_model(params.get("model", ""), registry.models)
-    body = await read_body(receive, _content_length(scope), model.spec.max_request_bytes)
+    body = await read_body(receive, content_length(scope), model.spec.max_request_bytes)
     path_bytes = scope.get("raw_path") or scope["path"].encode("latin-1")
     parts = path_bytes.split(b"/", 3)  # b"", b"upstream", model, rest
     path = "/" + (parts[3].decode("latin-1") if len(parts) > 3 else "") + _query(scope)

@@ -138,9 +138,9 @@ def targets(app: Any, model: str, bystander: str) -> list[Target]:
     return found
 
 
-def fault(status: int, content_type: str, body: bytes) -> str | None:
-    """What is wrong with an answer to a hostile body (a 4xx needs the JSON error object: OpenAI's, or
-    Anthropic's on the Messages API's routes), or None."""
+def fault(status: int, content_type: str, body: bytes, path: str = "") -> str | None:
+    """What is wrong with an answer to a hostile body (a 4xx needs the JSON error object: OpenAI's,
+    Anthropic's on the Messages API's routes, Ollama's ``{"error": "..."}`` under ``/ollama``), or None."""
     if not 200 <= status < 500:
         return f"status {status}: {body[:200]!r}"
     if status < 400:
@@ -150,6 +150,9 @@ def fault(status: int, content_type: str, body: bytes) -> str | None:
     try:
         data = json.loads(body)
         error = data["error"]
+        if path.startswith("/ollama/"):
+            assert isinstance(error, str) and error
+            return None
         assert isinstance(error["message"], str) and error["message"] and "type" in error
         assert "code" in error or data.get("type") == "error"  # Anthropic's shape (the Messages routes): no code
     except (ValueError, KeyError, TypeError, AssertionError):

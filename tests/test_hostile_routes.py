@@ -89,7 +89,8 @@ async def test_every_route_answers_the_hostile_corpus_with_a_4xx_json_error_or_a
             answer = await send(router.app, target, case)
             if case.cut and answer.status == 0:
                 continue  # nobody left to answer
-            if (problem := fault(answer.status, answer.headers.get("content-type", ""), answer.body)) is not None:
+            content_type = answer.headers.get("content-type", "")
+            if (problem := fault(answer.status, content_type, answer.body, target.path)) is not None:
                 faults.append(f"{case.name}: {problem}")
         assert not faults, f"{target!r}:\n" + "\n".join(faults)
         assert router.backend("tiny").pid == tiny_pid and router.backend("tiny").restarts == 0

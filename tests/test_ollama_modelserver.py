@@ -99,8 +99,8 @@ async def test_options_tool_choice_forces_a_call_and_history_without_ids_renders
     answer = await client.chat(model="fake", messages=[{"role": "user", "content": "time?"}], tools=tools,
                                options={"tool_choice": "required"})
     assert [c.function.name for c in answer.message.tool_calls or []] == ["get_time"]
-    history = [{"role": "user", "content": "time?"},
-               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_time", "arguments": {}}}]},
+    call = {"function": {"name": "get_time", "arguments": {}}}
+    history = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                {"role": "tool", "content": "12:00"}]
     answer = await client.chat(model="fake", messages=history, tools=tools)
     assert "12:00" in (answer.message.content or "")
