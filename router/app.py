@@ -180,7 +180,7 @@ def _moved(scope: Scope, path: str) -> Scope:
     return {**scope, "path": path, "raw_path": path.encode("latin-1")}
 
 
-def build_app(config: Config, service: RouterService | None = None) -> Cors:
+def build_app(config: Config, service: RouterService | None = None) -> ASGIApp:
     """A router app for ``config``; model processes start and stop with its lifespan."""
     service = service or RouterService(config)
     events = getattr(service, "events", None) or EventBus()
@@ -206,5 +206,5 @@ def build_app(config: Config, service: RouterService | None = None) -> Cors:
         exception_handlers={HTTPException: _http_error, RouterError: _router_error, Exception: _unexpected},
     )
     app.state.service = service
-    return Cors(_OllamaDoors(_FastPath(app, service), config.router.ollama_port), service)
+    return _OllamaDoors(Cors(_FastPath(app, service), service), config.router.ollama_port)
 

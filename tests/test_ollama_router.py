@@ -98,7 +98,7 @@ async def test_chat_stream_and_the_final_counts_through_the_router(tmp_path: Pat
 
 
 async def test_tool_call_through_langchain_bind_tools(tmp_path: Path, demo_gguf: Path) -> None:
-    from langchain_ollama import ChatOllama
+    from langchain_ollama import ChatOllama, OllamaEmbeddings
 
     def get_weather(city: str) -> str:
         """The weather in a city.
@@ -113,6 +113,8 @@ async def test_tool_call_through_langchain_bind_tools(tmp_path: Path, demo_gguf:
         message: Any = await llm.ainvoke("What is the weather in Paris? [[tool]]")
         assert [call["name"] for call in message.tool_calls] == ["get_weather"]
         assert isinstance(message.tool_calls[0]["args"], dict) and "city" in message.tool_calls[0]["args"]
+        vectors = await OllamaEmbeddings(model="emb", base_url=router.url + "/ollama").aembed_documents(["a", "b"])
+        assert len(vectors) == 2 and len(vectors[0]) > 8
 
 
 async def test_keep_alive_zero_stops_the_model_and_minus_one_keeps_it(tmp_path: Path, demo_gguf: Path) -> None:
@@ -181,6 +183,10 @@ async def test_api_keys_guard_the_ollama_api(tmp_path: Path, demo_gguf: Path) ->
         assert len((await keyed.list()).models) == 5
         assert (await keyed.chat(model="fake", messages=[{"role": "user", "content": "ok"}])).message.content == "ok"
         assert (await router.client.get("/ollama")).status_code == 200  # liveness stays open
+        preflight = await router.client.options("/ollama/api/chat", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})  # a page on this machine
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 async def test_a_cold_streamed_chat_sends_nothing_until_its_first_token(tmp_path: Path, demo_gguf: Path) -> None:
