@@ -65,7 +65,7 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(BodyTooLarge(self.max_mb))(scope, receive, send)
+            await error_response(BodyTooLarge(self.max_mb), scope["path"])(scope, receive, send)
             return
         received = 0
 

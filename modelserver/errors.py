@@ -178,8 +178,11 @@ def error_body(exc: ModelServerError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
 
-def error_response(exc: ModelServerError) -> JSONResponse:
-    """The one translation of an error into HTTP: status, headers and the JSON body."""
+def error_response(exc: ModelServerError, path: str = "") -> JSONResponse:
+    """The one translation of an error into HTTP: status, headers and the JSON body (Ollama's
+    ``{"error": "..."}`` for its routes, under ``/ollama/``)."""
+    if path.startswith("/ollama/"):
+        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers())
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
 
 

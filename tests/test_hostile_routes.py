@@ -114,7 +114,8 @@ async def test_every_model_server_route_answers_the_hostile_corpus_with_a_4xx_js
             answer = await send(app, target, case)
             if case.cut and answer.status == 0:
                 continue
-            if (problem := fault(answer.status, answer.headers.get("content-type", ""), answer.body)) is not None:
+            content_type = answer.headers.get("content-type", "")
+            if (problem := fault(answer.status, content_type, answer.body, target.path)) is not None:
                 faults.append(f"{target!r} {case.name}: {problem}")
     assert not faults, "\n".join(faults)
     assert app.state.runtime.status == "ready"

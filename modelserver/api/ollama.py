@@ -30,11 +30,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modelserver.api import chat, vlm
-from modelserver.api.common import ClientGone, SSEResponse, engine_as, engine_errors, note, runtime, spec
+from modelserver.api.common import ClientGone, SSEResponse, engine_as, engine_errors, note, read_body, runtime, spec
 from modelserver.api.embeddings import embed_texts
 from modelserver.api.toolplan import chat_plan
 from modelserver.engines.base import GenerationRequest, TextGenerator
-from modelserver.errors import ModelServerError, RequestError
+from modelserver.errors import ModelServerError, RequestError, error_response
 from modelserver.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from modelserver.tools import ToolCall, ToolStreamSplitter
 
@@ -100,10 +100,6 @@ class OllamaEmbeddings(_Loose):
 # -- errors -------------------------------------------------------------------------------------
 
 
-def _error(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
 def _ollama_errors(handler: Handler) -> Handler:
     """Every error as Ollama writes it: ``{"error": "..."}`` with the status (and headers: X-Backend-Fatal)."""
 
@@ -113,7 +109,7 @@ def _ollama_errors(handler: Handler) -> Handler:
         except ModelServerError as exc:
             if exc.status >= 500:
                 log.warning("%s failed: %s", request.url.path, exc.message)
-            return _error(exc.message, exc.status, exc.headers())
+            return error_response(exc, request.url.path)
         except ClientGone:
             return Response(status_code=499)
 
@@ -121,7 +117,7 @@ def _ollama_errors(handler: Handler) -> Handler:
 
 
 async def _read(request: Request, model: type[Body]) -> Body:
-    return parse_request(await request.body(), model)
+    return await read_body(request, model)
 
 
 # -- translation into the OpenAI request ---------------------------------------------------------
