@@ -232,16 +232,16 @@ async def create_response(request: Request) -> Response:
     prefix = str(chat.messages[-1].content or "") if chat.continue_final_message else ""
     previous = request.headers.get(PREVIOUS_HEADER)
     output = Output(_response_id(request), spec(request).name, body, translation.custom_tools, prefix, previous)
-    runs = await chat_api._start(request, generator, [generation], chat.stop_strings())
+    runs = await chat_api.start_runs(request, generator, [generation], chat.stop_strings())
     if body.stream:
-        return SSEResponse(_events(request, runs[0], output, parser), lambda: chat_api._close(request, runs))
+        return SSEResponse(_events(request, runs[0], output, parser), lambda: chat_api.close_runs(request, runs))
     try:
         with engine_errors(runtime(request)):
             await _collect(request, runs[0], output, parser)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        await chat_api._close(request, runs)
+        await chat_api.close_runs(request, runs)
     return JSONResponse(output.finish(runs[0].finish or "stop", _usage(runs[0]))[1])
 
 
