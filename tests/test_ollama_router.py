@@ -201,6 +201,20 @@ async def test_a_cold_streamed_chat_sends_nothing_until_its_first_token(tmp_path
         assert parts[-1]["load_duration"] >= 1_000_000_000
 
 
+async def test_a_stream_whose_process_dies_ends_with_an_error_line(tmp_path: Path, demo_gguf: Path) -> None:
+    async with running_router(write_config(tmp_path, models(demo_gguf))) as router:
+        for marker in ("[[crash-mid]]", "[[fatal-mid]]"):
+            body = {"model": "fake", "messages": [{"role": "user", "content": f"one two three four {marker}"}]}
+            async with router.client.stream("POST", "/ollama/api/chat", json=body) as response:
+                parts = [json.loads(line) async for line in response.aiter_lines() if line]
+            assert response.status_code == 200 and "one" in parts[0]["message"]["content"]
+            assert isinstance(parts[-1].get("error"), str) and not any(p.get("done") for p in parts), parts[-1]
+            assert [p for p in parts if "error" in p] == [parts[-1]], "one error line, the last"
+        with pytest.raises(ollama.ResponseError):
+            _ = [p async for p in await client_for(router.url).chat(model="fake", stream=True, messages=[
+                {"role": "user", "content": "five six seven eight [[crash-mid]]"}])]
+
+
 async def test_ollama_port_serves_the_api_at_its_root(tmp_path: Path, demo_gguf: Path) -> None:
     main, second = socket.socket(), socket.socket()
     for sock in (main, second):

@@ -189,16 +189,16 @@ async def _create(request: Request) -> Response:
     generation, parser = await _generation(request, body, body.max_tokens)
     note(request, stream=body.stream, tools=len(generation.tools))
     shape = MessageShape(body.model or spec(request).name)
-    (run,) = await chat._start(request, engine_as(request, TextGenerator), [generation], body.stop_sequences or [])
+    (run,) = await chat.start_runs(request, engine_as(request, TextGenerator), [generation], body.stop_sequences or [])
     if body.stream:
-        return SSEResponse(_events(run, shape, parser, request), lambda: chat._close(request, [run]))
+        return SSEResponse(_events(run, shape, parser, request), lambda: chat.close_runs(request, [run]))
     try:
         with engine_errors(runtime(request)):
             message = await until_disconnect(request, _body(run, shape, parser))
     except ClientGone:
         return Response(status_code=499)
     finally:
-        await chat._close(request, [run])
+        await chat.close_runs(request, [run])
     return JSONResponse(message)
 
 
