@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from procman import Address
 from router.app import build_app
 from router.config import parse_config
@@ -164,6 +166,12 @@ class FakeRouter:
     def backend(self, name: str) -> Any:
         return self.service.registry.models[name].backend
 
+    def client(self, api_key: str | None = None) -> httpx.AsyncClient:
+        """An httpx client straight into the app (whole bodies only: :meth:`post` sees a stream's chunks)."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://testserver",
+                                 headers=headers)
+
     async def post(
         self, path: str, data: Any = None, *, content: bytes | None = None, disconnect: asyncio.Event | None = None
     ) -> Exchange:
@@ -204,11 +212,13 @@ def chat(model: str, text: str = "hello there world", **extra: object) -> dict[s
 
 @contextlib.asynccontextmanager
 async def fake_router(
-    tmp_path: Path, models: dict[str, Any], groups: dict[str, Any] | None = None
+    tmp_path: Path, models: dict[str, Any], groups: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> AsyncIterator[FakeRouter]:
-    """A router over ``models`` (raw config mappings), its lifespan running, every backend a fake."""
+    """A router over ``models`` (raw config mappings; ``router``: its own settings), its lifespan running,
+    every backend a fake."""
     harness = Harness(tmp_path / "runtime")
-    config = parse_config({"router": {"state_dir": str(tmp_path / "state")}, "models": models,
+    config = parse_config({"router": {"state_dir": str(tmp_path / "state"), **(router or {})}, "models": models,
                            "groups": groups or {}}, tmp_path)
     upstream = FakeUpstream(harness)
     service = RouterService(config, manager=harness.manager, upstream=upstream)

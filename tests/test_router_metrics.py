@@ -259,38 +259,6 @@ def _vllm_sample(family: str) -> str:
     return family + "_count" if family.endswith("_seconds") else family
 
 
-async def test_vllm_names_are_added_on_request_and_equal_the_routers_own(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"m": fake_model()}, router={"metrics_names": ["ovrouter", "vllm"]})
-    async with running_router(config) as router:
-        plain = await router.client.post("/v1/chat/completions", json=CHAT)
-        assert plain.status_code == 200
-        await _sse_lines(router.client, {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
-        text = (await router.client.get("/metrics")).text
-        families = {family.name: family for family in text_string_to_metric_families(text)}
-        assert set(VLLM_NAMES) <= set(families), sorted(set(VLLM_NAMES) - set(families))
-        samples = _samples(text)
-        for name in VLLM_NAMES:
-            if name != "vllm:kv_cache_usage_perc":  # the fake engine reports no KV cache
-                assert (_vllm_sample(name), (("model_name", "m"),)) in samples, name
-        pairs = [("vllm:time_to_first_token_seconds_count", "ovrouter_time_to_first_token_seconds_count"),
-                 ("vllm:e2e_request_latency_seconds_sum", "ovrouter_request_duration_seconds_sum"),
-                 ("vllm:generation_tokens_total", "ovrouter_completion_tokens_total"),
-                 ("vllm:prompt_tokens_total", "ovrouter_prompt_tokens_total")]
-        for vllm, ours in pairs:
-            assert _value(samples, vllm, model_name="m") == _value(samples, ours, model="m") > 0, vllm
-        assert _value(samples, "vllm:request_success_total", model_name="m") == 2
-        assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
-
-
-async def test_only_the_named_families_are_exposed(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"m": fake_model()})) as router:
-        assert "vllm:" not in (await router.client.get("/metrics")).text  # the default: ovrouter names only
-    config = write_config(tmp_path, {"m": fake_model()}, router={"metrics_names": ["vllm"]})
-    async with running_router(config) as router:
-        text = (await router.client.get("/metrics")).text
-        assert "vllm:num_requests_running" in text and "ovrouter_" not in text
-
-
 async def test_event_and_log_streams_end_when_the_server_shuts_down(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"m": fake_model()})
     async with running_router(config) as router:

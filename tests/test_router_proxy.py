@@ -1,9 +1,11 @@
-"""The router over real fake-engine model server processes: routing, streaming, cold starts,
-idle stop, faults and limits, end to end. Each test starts its own router (in this event loop)
-and the model processes it launches; the conftest check fails a test that leaves one behind.
+"""The router over real fake-engine model server processes, end to end: the SDK through a real
+socket, streams, idle stop, a hung process, a failed start's own reason, cancel on disconnect,
+/upstream and /api, log follow. Each test starts its own router (in this event loop) and the model
+processes it launches; the conftest check fails a test that leaves one behind.
 
-Every proxy behaviour (fatal and crash retries, 502/503/504, 429, 413, disconnect, eviction)
-is also tested in-process over fakes, in milliseconds: tests/test_router_inprocess.py."""
+Every proxy behaviour (fatal and crash retries, 502/503/504, 429, 413, disconnect, eviction) is
+tested in-process over fakes, in milliseconds: tests/test_router_inprocess.py, and the HTTP
+surface (errors, keys, cold-start sharing, preload, /metrics) in tests/test_router_api_inprocess.py."""
 
 from __future__ import annotations
 
@@ -73,36 +75,6 @@ async def test_openai_sdk_chat_stream_alias_and_models_list(tmp_path: Path) -> N
         await client.close()
 
 
-async def test_bad_requests_get_openai_style_errors(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
-        unknown = await router.client.post("/v1/chat/completions", json=chat("nope"))
-        assert unknown.status_code == 404
-        assert unknown.json()["error"]["code"] == "model_not_found" and "echo" in unknown.json()["error"]["message"]
-        broken = await router.client.post("/v1/chat/completions", content=b"{not json")
-        assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
-        missing = await router.client.post("/v1/embeddings", json={"input": "x"})
-        assert missing.status_code == 400 and "`model` is required" in missing.json()["error"]["message"]
-        no_route = await router.client.get("/v2/whatever")
-        assert no_route.status_code == 404 and "error" in no_route.json()
-        wrong_method = await router.client.get("/v1/chat/completions")
-        assert wrong_method.status_code == 405 and "error" in wrong_method.json()
-        assert router.backend("echo").state is State.STOPPED, "nothing above may start a model"
-
-
-async def test_concurrent_cold_starts_share_one_process(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"slow": fake_model(fake={"load_s": 1.0, "token_delay_s": 0})})
-    async with running_router(path) as router:
-        replies = await asyncio.gather(
-            *(router.client.post("/v1/chat/completions", json=chat("slow")) for _ in range(6))
-        )
-        assert [r.status_code for r in replies] == [200] * 6
-        backend = router.backend("slow")
-        assert backend.starts == 1 and backend.state is State.READY
-        metrics = (await router.client.get("/metrics")).text
-        assert 'ovrouter_model_starts_total{model="slow",reason="cold",result="ok"} 1.0' in metrics
-        assert 'ovrouter_requests_total{model="slow",status="200"} 6.0' in metrics
-
-
 async def test_idle_stop_never_cuts_a_stream(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"echo": fake_model(idle_timeout_s=0.5, fake={"load_s": 0, "token_delay_s": 0.1})})
     async with running_router(path) as router:
@@ -118,34 +90,6 @@ async def test_idle_stop_never_cuts_a_stream(tmp_path: Path) -> None:
         assert router.backend("echo").starts == 1, "the stream was served by one process (not cut and resumed)"
         again = await router.client.post("/v1/chat/completions", json=chat("echo", "back"))
         assert again.status_code == 200 and router.backend("echo").pid not in (None, pid)
-
-
-async def test_fatal_error_restarts_and_next_request_gets_a_new_process(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model(retry_on_fatal=False)})) as router:
-        assert (await router.client.post("/v1/chat/completions", json=chat("echo"))).status_code == 200
-        first_pid = router.backend("echo").pid
-        fatal = await router.client.post("/v1/chat/completions", json=chat("echo", "boom [[fatal]]"))
-        assert fatal.status_code == 503 and fatal.headers["retry-after"]
-        assert "unrecoverable" in fatal.json()["error"]["message"]
-        assert "CL_OUT_OF_RESOURCES" in fatal.json()["error"]["message"]
-        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "fine now"))
-        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine now"
-        backend = router.backend("echo")
-        assert backend.pid not in (None, first_pid) and backend.restarts == 1
-        await wait_for(lambda: not alive(first_pid), 60, "the failed process to exit")
-        metrics = (await router.client.get("/metrics")).text
-        assert 'ovrouter_model_restarts_total{model="echo",reason="fatal"} 1.0' in metrics
-
-
-async def test_crash_mid_request_is_a_clean_502_and_the_model_comes_back(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"echo": fake_model(retry_on_fatal=False)})
-    async with running_router(path) as router:
-        assert (await router.client.post("/v1/chat/completions", json=chat("echo"))).status_code == 200
-        pid = router.backend("echo").pid
-        crashed = await router.client.post("/v1/chat/completions", json=chat("echo", "[[crash]]"))
-        assert crashed.status_code == 502 and crashed.json()["error"]["code"] == "request_crashed_model"
-        ok = await router.client.post("/v1/chat/completions", json=chat("echo", "still here"))
-        assert ok.status_code == 200 and router.backend("echo").pid != pid
 
 
 async def test_hung_process_is_killed_and_replaced_and_its_request_answered(tmp_path: Path) -> None:
@@ -169,15 +113,6 @@ async def test_hung_process_is_killed_and_replaced_and_its_request_answered(tmp_
         assert ok.status_code == 200
         metrics = (await router.client.get("/metrics")).text
         assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in metrics
-
-
-async def test_ordinary_engine_error_passes_through_and_keeps_the_process(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
-        await router.client.post("/v1/chat/completions", json=chat("echo"))
-        pid = router.backend("echo").pid
-        error = await router.client.post("/v1/chat/completions", json=chat("echo", "[[error]]"))
-        assert error.status_code == 500 and "error" in error.json()
-        assert router.backend("echo").pid == pid and router.backend("echo").restarts == 0
 
 
 async def test_failed_start_answers_with_the_reason_then_backs_off(tmp_path: Path) -> None:
@@ -244,59 +179,3 @@ async def test_log_follow_streams_new_lines(tmp_path: Path) -> None:
                     if "/v1/chat/completions" in line and len(seen) > 1:
                         break
         assert any("/v1/chat/completions" in line for line in seen)
-
-
-async def test_api_keys_guard_v1_and_admin_keys_guard_api(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"echo": fake_model()}, router={"api_keys": ["user-key"], "admin_keys": ["root-key"]})
-    async with running_router(path) as router:
-        anonymous = await router.client.post("/v1/chat/completions", json=chat("echo"))
-        assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
-        assert (await router.client.get("/v1/models")).status_code == 401
-        assert (await router.client.get("/upstream/echo/health")).status_code == 401
-        user = {"Authorization": "Bearer user-key"}
-        assert (await router.client.post("/v1/chat/completions", json=chat("echo"), headers=user)).status_code == 200
-        assert (await router.client.get("/api/models", headers=user)).status_code == 401
-        admin = {"Authorization": "Bearer root-key"}
-        assert (await router.client.get("/api/models", headers=admin)).status_code == 200
-        assert (await router.client.get("/health")).status_code == 200
-        with pytest.raises(openai.AuthenticationError):
-            await sdk(router, "wrong").chat.completions.create(
-                model="echo", messages=[{"role": "user", "content": "x"}]
-            )
-        good = await sdk(router, "user-key").chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "x"}]
-        )
-        assert good.choices[0].message.content == "x"
-
-
-async def test_preload_starts_with_the_router(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"hot": fake_model(preload=True), "cold": fake_model()})
-    async with running_router(path) as router:
-        await wait_for(lambda: router.backend("hot").state is State.READY, 60, "preload")
-        assert router.backend("cold").state is State.STOPPED
-
-
-async def test_models_of_other_tasks_route_by_model_field(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"emb": fake_model(task="embeddings"), "chat": fake_model()})
-    async with running_router(path) as router:
-        reply = await router.client.post("/v1/embeddings", json={"model": "emb", "input": ["a", "b"]})
-        assert reply.status_code == 200 and len(reply.json()["data"]) == 2
-        assert router.backend("chat").state is State.STOPPED
-
-
-async def test_metrics_endpoint_exposes_the_documented_series(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
-        await router.client.post("/v1/chat/completions", json=chat("echo"))
-        text = (await router.client.get("/metrics")).text
-        for name in (
-            "ovrouter_model_loaded",
-            "ovrouter_model_starts_total",
-            "ovrouter_requests_total",
-            "ovrouter_request_duration_seconds_bucket",
-            "ovrouter_cold_start_duration_seconds_bucket",
-            "ovrouter_in_flight",
-            "ovrouter_queued",
-            "ovrouter_config_valid",
-        ):
-            assert name in text, name
-        assert 'ovrouter_model_loaded{model="echo"} 1.0' in text
