@@ -103,8 +103,10 @@ def _serve(args: argparse.Namespace) -> int:
     sockets = None
     if settings.ollama_port is not None:  # a second listener, Ollama's API at its root (router.app._OllamaDoors)
         log.info("Ollama's API: http://%s:%d/ollama and http://%s:%d", shown, port, shown, settings.ollama_port)
-        sockets = [server.config.bind_socket(),
-                   uvicorn.Config(None, host=host, port=settings.ollama_port).bind_socket()]  # type: ignore[arg-type]
+        sockets = [server.config.bind_socket()]
+        server.config.port = settings.ollama_port  # bound the same way (a second Config would reset the logging)
+        sockets.append(server.config.bind_socket())
+        server.config.port = port
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=sockets)
     return 0
