@@ -35,7 +35,7 @@ from router.proxy import forward
 from router.registry import Model, Registry
 from router.relay import run_until_disconnect
 from router.request import ProxyRequest
-from router.service import RouterService, check_key
+from router.service import RouterService, check_key, credential_of
 
 __all__ = ["PREFIX", "VERSION", "OllamaApi"]
 
@@ -136,7 +136,7 @@ class OllamaApi:
     def _keyed(self, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:
             try:
-                check_key(request.headers.get("authorization"), self.service.config.router.api_keys, "api_keys")
+                check_key(credential_of(request.headers), self.service.config.router.api_keys, "api_keys")
                 return await handler(request)
             except RouterError as exc:
                 return ollama_error(exc)

@@ -3,6 +3,7 @@ in process, through the official ``ollama`` client and raw NDJSON: framing, fina
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import httpx
 import ollama
 import pytest
+from tasks_helpers import image_data_url
 
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
+from modelserver.engines.fake_media import FakeVisionGenerator
 from modelserver.spec import build_model_spec
 
 FINAL_COUNTS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count",
@@ -154,3 +157,17 @@ async def test_embed_and_the_older_embeddings() -> None:
     with pytest.raises(ollama.ResponseError) as refused:
         await client.embed(model="emb", input="one", dimensions=4)
     assert refused.value.status_code == 400 and "dimensions" in refused.value.error
+
+
+async def test_images_reach_a_vision_model_and_a_text_model_refuses_them(client: ollama.AsyncClient) -> None:
+    spec = build_model_spec("vis", {"engine": "fake", "task": "vlm", "fake": {"token_delay_s": 0, "load_s": 0}})
+    vision = ollama.AsyncClient(host="http://ms/ollama",
+                                transport=httpx.ASGITransport(app=build_app(spec, FakeVisionGenerator(spec))))
+    png = base64.b64decode(image_data_url(60, 40).split(",", 1)[1])
+    answer = await vision.chat(model="vis", messages=[{"role": "user", "content": "what is it", "images": [png]}])
+    assert "[image 60x40]" in (answer.message.content or "")
+    generated = await vision.generate(model="vis", prompt="describe", images=[png])
+    assert "[image 60x40]" in generated.response
+    with pytest.raises(ollama.ResponseError) as refused:
+        await client.chat(model="fake", messages=[{"role": "user", "content": "what is it", "images": [png]}])
+    assert refused.value.status_code == 400
