@@ -27,8 +27,8 @@ def chat_app() -> Any:
     return build_app(spec, FakeTextGenerator(spec))
 
 
-def embed_app() -> Any:
-    spec = build_model_spec("emb", {"engine": "fake", "task": "embeddings", "fake": {"load_s": 0}})
+def embed_app(**options: Any) -> Any:
+    spec = build_model_spec("emb", {"engine": "fake", "task": "embeddings", "fake": {"load_s": 0}, "options": options})
     return build_app(spec, FakeEmbedder(spec))
 
 
@@ -157,6 +157,10 @@ async def test_embed_and_the_older_embeddings() -> None:
     with pytest.raises(ollama.ResponseError) as refused:
         await client.embed(model="emb", input="one", dimensions=4)
     assert refused.value.status_code == 400 and "dimensions" in refused.value.error
+    matryoshka = ollama.AsyncClient(host="http://ms/ollama", transport=httpx.ASGITransport(app=embed_app(
+        matryoshka=True)))
+    short = (await matryoshka.embed(model="emb", input=["one", "two"], dimensions=4)).embeddings
+    assert [len(v) for v in short] == [4, 4] and abs(sum(x * x for x in short[0]) - 1.0) < 1e-6
 
 
 async def test_images_reach_a_vision_model_and_a_text_model_refuses_them(client: ollama.AsyncClient) -> None:
