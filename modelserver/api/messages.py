@@ -15,7 +15,6 @@ text block), ``usage`` with ``cache_read_input_tokens``, and the stream's events
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -39,10 +38,8 @@ from modelserver.api.common import (
     spec,
     until_disconnect,
 )
-from modelserver.api.toolplan import chat_plan
-from modelserver.api.vlm import vision_turns
-from modelserver.engines.base import GenerationRequest, PromptCounting, TextGenerator, cached_tokens
-from modelserver.engines.media_base import VisionRequest
+from modelserver.api.vlm import plan_generation
+from modelserver.engines.base import PromptCounting, TextGenerator, cached_tokens
 from modelserver.errors import ModelServerError, anthropic_error_body, anthropic_error_response
 from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
@@ -169,19 +166,9 @@ def _released(shape: MessageShape, text: str, calls: tuple[ToolCall, ...]) -> li
 async def _generation(request: Request, body: CountTokensRequest, max_tokens: int = 1) -> tuple[Any, str | None]:
     """The engine's request for ``body`` (a :class:`VisionRequest` on task vlm) and the tool parser to apply."""
     unknown_fields(body)
-    generator = engine_as(request, TextGenerator)
-    vision = spec(request).task == "vlm"
-    chat_body = chat_request(body, vision)
-    tools, constraint, parse = chat_plan(chat_body, generator.tool_parser)
+    chat_body = chat_request(body, spec(request).task == "vlm")
     sampling = replace(chat.sampling(chat_body, max_tokens), fit_to_context=True)  # 64000 is capped, not a 400
-    parser = generator.tool_parser if parse else None
-    if vision:
-        turns, images = await asyncio.to_thread(vision_turns, chat_body.messages)
-        note(request, images=len(images))
-        return VisionRequest(sampling, turns, images, tools, constraint), parser
-    turns = chat.chat_turns(chat_body.messages)
-    continued = chat_body.continue_final_message
-    return GenerationRequest(sampling, turns, tools=tools, constraint=constraint, continue_final=continued), parser
+    return await plan_generation(request, chat_body, sampling)
 
 
 async def _create(request: Request) -> Response:

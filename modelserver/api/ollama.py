@@ -32,7 +32,6 @@ from starlette.routing import Route
 from modelserver.api import chat, vlm
 from modelserver.api.common import ClientGone, SSEResponse, engine_as, engine_errors, note, read_body, runtime, spec
 from modelserver.api.embeddings import embed_texts
-from modelserver.api.toolplan import chat_plan
 from modelserver.engines.base import GenerationRequest, TextGenerator
 from modelserver.errors import ModelServerError, RequestError, error_response
 from modelserver.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -304,7 +303,7 @@ class Shape:
         return {**head, "message": message, "done": False}
 
 
-async def _answer(request: Request, body: _Generation, generation: GenerationRequest, stops: list[str],
+async def _answer(request: Request, body: _Generation, generation: Any, stops: list[str],
                   parser: str | None, is_chat: bool) -> Response:
     clock, shape = Clock(request), Shape(body.model or spec(request).name, is_chat)
     generator = engine_as(request, TextGenerator)
@@ -367,14 +366,7 @@ def _split(shape: Shape, splitter: ToolStreamSplitter, text: str, calls: tuple[T
 async def api_chat(request: Request) -> Response:
     body: OllamaChat = await _read(request, OllamaChat)
     openai = chat_request(body, request)
-    generator = engine_as(request, TextGenerator)
-    tools, constraint, parse = chat_plan(openai, generator.tool_parser)
-    if spec(request).task == "vlm":
-        generation: Any = await vlm.vision_request(request, openai, tools, constraint)
-    else:
-        generation = GenerationRequest(sampling=chat.sampling(openai, spec(request).default_max_tokens),
-                                       messages=chat.chat_turns(openai.messages), tools=tools, constraint=constraint)
-    parser = generator.tool_parser if parse else None
+    generation, parser = await vlm.plan_generation(request, openai)
     return await _answer(request, body, generation, openai.stop_strings(), parser, is_chat=True)
 
 
@@ -393,13 +385,7 @@ async def api_generate(request: Request) -> Response:
         chat_body = OllamaChat(model=body.model, stream=body.stream, format=body.format, options=body.options,
                                messages=messages)
         openai = chat_request(chat_body, request)
-        generator = engine_as(request, TextGenerator)
-        _tools, constraint, _parse = chat_plan(openai, generator.tool_parser)
-        if spec(request).task == "vlm":
-            generation: Any = await vlm.vision_request(request, openai, (), constraint)
-        else:
-            generation = GenerationRequest(sampling=chat.sampling(openai, spec(request).default_max_tokens),
-                                           messages=chat.chat_turns(openai.messages), constraint=constraint)
+        generation, _ = await vlm.plan_generation(request, openai)  # a generate body carries no tools
         return await _answer(request, body, generation, openai.stop_strings(), None, is_chat=False)
     if body.images or body.format:
         raise RequestError("raw: images and format need the chat template; send them without raw")

@@ -48,10 +48,8 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.api.responses_input import ResponsesRequest, Translation, translate
-from modelserver.api.toolplan import chat_plan
-from modelserver.api.vlm import vision_turns
-from modelserver.engines.base import GenerationRequest, PromptCounting, TextGenerator, cached_tokens
-from modelserver.engines.media_base import VisionRequest
+from modelserver.api.vlm import plan_generation
+from modelserver.engines.base import PromptCounting, TextGenerator, cached_tokens
 from modelserver.errors import ModelServerError, UnsupportedParameter
 from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
@@ -211,17 +209,9 @@ async def _plan(request: Request) -> tuple[ResponsesRequest, Translation, Any, s
         log.info("responses: ignored %s", ", ".join(translation.ignored[:16]))
     chat = translation.chat
     chat.refuse_unsupported(1)
-    generator = engine_as(request, TextGenerator)
-    tools, constraint, parse = chat_plan(chat, generator.tool_parser)
-    sampling = chat_api.sampling(chat, spec(request).default_max_tokens)
-    if spec(request).task == "vlm":
-        turns, images = vision_turns(chat.messages)
-        generation: Any = VisionRequest(sampling, turns, images, tools, constraint)
-    else:
-        generation = GenerationRequest(sampling=sampling, messages=chat_api.chat_turns(chat.messages), tools=tools,
-                                       constraint=constraint, continue_final=chat.continue_final_message)
-    note(request, tools=len(tools), constrained=constraint is not None)
-    return body, translation, generation, generator.tool_parser if parse else None
+    generation, parser = await plan_generation(request, chat)
+    note(request, tools=len(generation.tools), constrained=generation.constraint is not None)
+    return body, translation, generation, parser
 
 
 async def create_response(request: Request) -> Response:

@@ -18,13 +18,13 @@ from starlette.routing import Route
 from modelserver.api import chat
 from modelserver.api.common import engine_as, note, read_body, spec
 from modelserver.api.toolplan import chat_plan
-from modelserver.engines.base import ChatTurn, TextGenerator
+from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams, TextGenerator
 from modelserver.engines.media_base import IMAGE_TAG, VisionRequest, image_tag
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.images import decode_data_url
 from modelserver.protocol import ChatCompletionRequest, ChatMessage, ChatShape, ContentPart
 
-__all__ = ["routes", "vision_request", "vision_turns"]
+__all__ = ["plan_generation", "routes", "vision_request", "vision_turns"]
 
 
 def _image_url(part: ContentPart, where: str) -> str:
@@ -74,12 +74,32 @@ def vision_turns(messages: list[ChatMessage]) -> tuple[tuple[ChatTurn, ...], tup
     return turns, tuple(images)
 
 
+#: What a text or vision engine generates from.
+Generation = GenerationRequest | VisionRequest
+
+
 async def vision_request(request: Request, body: ChatCompletionRequest, tools: tuple[dict[str, Any], ...],
-                         constraint: Any) -> VisionRequest:
+                         constraint: Any, sampling: SamplingParams | None = None) -> VisionRequest:
     """The generation ``body`` asks for, its images decoded (off the event loop)."""
     turns, images = await asyncio.to_thread(vision_turns, body.messages)
     note(request, images=len(images))
-    return VisionRequest(chat.sampling(body, spec(request).default_max_tokens), turns, images, tools, constraint)
+    sampling = sampling or chat.sampling(body, spec(request).default_max_tokens)
+    return VisionRequest(sampling, turns, images, tools, constraint)
+
+
+async def plan_generation(request: Request, body: ChatCompletionRequest,
+                          sampling: SamplingParams | None = None) -> tuple[Generation, str | None]:
+    """The engine's request for a chat body on this model — a :class:`VisionRequest` on task vlm — and the tool
+    parser its answer goes through (None: no tools). The protocols translated to chat (Responses, Messages,
+    Ollama) all plan their generation here; ``sampling`` defaults to the chat route's."""
+    generator = engine_as(request, TextGenerator)
+    tools, constraint, parse = chat_plan(body, generator.tool_parser)
+    parser = generator.tool_parser if parse else None
+    if spec(request).task == "vlm":
+        return await vision_request(request, body, tools, constraint, sampling), parser
+    sampling = sampling or chat.sampling(body, spec(request).default_max_tokens)
+    return GenerationRequest(sampling, chat.chat_turns(body.messages), tools=tools, constraint=constraint,
+                             continue_final=body.continue_final_message), parser
 
 
 async def vlm_chat_completions(request: Request) -> Response:
