@@ -75,6 +75,7 @@ class Figures:
     errors: int = 0
     problems: list[str] = field(default_factory=list)
     scenarios: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, int] = field(default_factory=dict)  # the error codes that ended streams
 
 
 def body_of(rng: random.Random, stream: bool = True) -> dict[str, Any]:
@@ -209,6 +210,8 @@ class Stress:
                 self.figures.exact += 1
             else:
                 self.figures.errors += 1
+                code = str(outcome.error)
+                self.figures.codes[code] = self.figures.codes.get(code, 0) + 1
 
 
 def _cont(pid: int) -> None:

@@ -18,6 +18,6 @@ async def test_resumed_streams_are_exact_under_hangs_and_rolling_changes(tmp_pat
     seed = int(os.environ.get("OVROUTER_STRESS_SEED", "1"))
     figures = await run_stress(tmp_path, seconds, seed)
     print(f"stress: {figures.rounds} rounds, {figures.streams} streams, {figures.exact} exact, "
-          f"{figures.errors} ended by an error event; scenarios {figures.scenarios}")
+          f"{figures.errors} ended by an error event {figures.codes}; scenarios {figures.scenarios}")
     assert not figures.problems, "\n".join(figures.problems[:5])
     assert figures.rounds >= 1 and figures.exact > 0
