@@ -1,6 +1,7 @@
-"""The clients' model API through a real router over fake-engine model servers: ``status`` on
-``/v1/models``, ``GET /v1/models/{id}``, and the llama.cpp router's ``/models``, ``/models/load``,
-``/models/unload`` and ``/models/sse``."""
+"""The clients' model API: ``status`` on ``/v1/models``, ``GET /v1/models/{id}``, and the llama.cpp
+router's ``/models``, ``/models/load``, ``/models/unload`` and ``/models/sse``. A model's statuses over
+time (the event stream, a failed load) through a real router over fake-engine model servers; the
+answers, errors and keys in-process (the real app over fakes: tests/router_fakes.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
+from tests.router_fakes import fake_router
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,32 +138,32 @@ async def test_load_and_unload_answer_like_llama_cpp_when_there_is_nothing_to_do
 
 
 async def test_model_api_errors_are_openai_shaped_and_name_the_fix(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
-        unknown = await router.client.post("/models/load", json={"model": "nope"})
+    async with fake_router(tmp_path, {"echo": {"engine": "fake"}}) as router, router.client() as client:
+        unknown = await client.post("/models/load", json={"model": "nope"})
         assert unknown.status_code == 404
         assert unknown.json()["error"] | {"message": ""} == {
             "message": "", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
         assert "echo" in unknown.json()["error"]["message"]
-        missing = await router.client.post("/models/load", json={})
+        missing = await client.post("/models/load", json={})
         assert (missing.status_code, missing.json()["error"]["param"]) == (400, "model")
-        bad = await router.client.post("/models/unload", content=b"{nope", headers={"content-type": "application/json"})
+        bad = await client.post("/models/unload", content=b"{nope", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] is None
         assert "not valid JSON" in bad.json()["error"]["message"]
-        deep = await router.client.post("/models/load", content=b"[" * 100_000 + b"]" * 100_000,
-                                        headers={"content-type": "application/json"})
+        deep = await client.post("/models/load", content=b"[" * 100_000 + b"]" * 100_000,
+                                 headers={"content-type": "application/json"})
         assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
 
 
 async def test_retrieve_a_model_by_id_or_alias_with_the_official_sdk(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"echo": fake_model(aliases=["gpt-4o-mini"]), "vision": fake_model(task="vlm")})
-    async with running_router(path) as router:
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    models = {"echo": {"engine": "fake", "aliases": ["gpt-4o-mini"]}, "vision": {"engine": "fake", "task": "vlm"}}
+    async with fake_router(tmp_path, models) as router, router.client() as http:
+        client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=http)
         try:
             model = await client.models.retrieve("echo")
             assert (model.id, model.object, model.owned_by) == ("echo", "model", "ovrouter")
             alias = await client.models.retrieve("gpt-4o-mini")
             assert alias.id == "gpt-4o-mini" and (alias.model_extra or {})["root"] == "echo"
-            vision = (await router.client.get("/v1/models/vision")).json()
+            vision = (await http.get("/v1/models/vision")).json()
             assert vision["architecture"]["input_modalities"] == ["text", "image"]
             assert vision["status"] == {"value": "unloaded"}
             with pytest.raises(openai.NotFoundError) as caught:
@@ -175,9 +176,9 @@ async def test_retrieve_a_model_by_id_or_alias_with_the_official_sdk(tmp_path: P
 
 
 async def test_model_api_auth_follows_api_and_admin_keys(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"echo": fake_model()}, router={"api_keys": ["user"], "admin_keys": ["admin"]})
-    async with running_router(path) as router:
-        async with httpx.AsyncClient(base_url=router.url, timeout=30) as bare:
+    keys = {"api_keys": ["user"], "admin_keys": ["admin"]}
+    async with fake_router(tmp_path, {"echo": {"engine": "fake"}}, router=keys) as router:
+        async with router.client() as bare:
             user, admin = {"authorization": "Bearer user"}, {"authorization": "Bearer admin"}
             assert (await bare.get("/v1/models/echo")).status_code == 401
             assert (await bare.get("/v1/models/echo", headers=user)).status_code == 200
@@ -190,12 +191,12 @@ async def test_model_api_auth_follows_api_and_admin_keys(tmp_path: Path) -> None
 
 
 async def test_every_router_error_body_has_param(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router:
+    async with fake_router(tmp_path, {"echo": {"engine": "fake"}}) as router, router.client() as client:
         answers = [
-            await router.client.post("/v1/chat/completions", content=b"{", headers={"content-type": "text/json"}),
-            await router.client.get("/no/such/route"),
-            await router.client.delete("/v1/models"),
-            await router.client.post("/v1/chat/completions", json={"model": "nope", "messages": []}),
+            await client.post("/v1/chat/completions", content=b"{", headers={"content-type": "text/json"}),
+            await client.get("/no/such/route"),
+            await client.delete("/v1/models"),
+            await client.post("/v1/chat/completions", json={"model": "nope", "messages": []}),
         ]
         assert [a.status_code for a in answers] == [400, 404, 405, 404]
         for answer in answers:
