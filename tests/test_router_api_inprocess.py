@@ -244,3 +244,46 @@ async def test_vllm_names_are_added_on_request_and_equal_the_routers_own(tmp_pat
             assert _value(samples, vllm, model_name="m") == _value(samples, ours, model="m") > 0, vllm
         assert _value(samples, "vllm:request_success_total", model_name="m") == 2
         assert families["vllm:e2e_request_latency_seconds"].type == "histogram"
+
+
+class Stall(asyncio.Event):
+    """A stream item that is never set: ``reached`` tells the chunks before it were relayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached = asyncio.Event()
+
+    async def wait(self) -> Any:
+        self.reached.set()
+        return await super().wait()
+
+
+async def test_an_operator_cancels_a_request_in_flight(tmp_path: Path) -> None:
+    stalls = {"model": "m", "messages": [{"role": "user", "content": "one two [[stall]] three"}], "stream": True}
+    async with fake_router(tmp_path, {"m": model()}) as r, r.client() as client:
+        stall = Stall()
+
+        async def stalling(call: Call) -> FakeReply:  # ends by a cancel only
+            return FakeReply(chunks=[b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n', stall],
+                             content_type=SSE)
+
+        r.upstream.handler = stalling
+        assert (await client.post("/api/models/m/load")).status_code == 200
+        stream = asyncio.ensure_future(r.post("/v1/chat/completions", stalls))
+        await asyncio.wait_for(stall.reached.wait(), 10)  # the stream is under way
+        running = [row for row in (await client.get("/api/requests")).json()["requests"]
+                   if row["state"] == "running" and row["path"] == "/v1/chat/completions"]
+        assert len(running) == 1
+        cancelled = await client.post(f"/api/requests/{running[0]['id']}/cancel")
+        assert cancelled.status_code == 200
+        reply = await asyncio.wait_for(stream, 10)
+        first, *rest = reply.body.decode().splitlines()
+        assert first.startswith("data: ")
+        errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {\"error\"")]
+        assert errors and errors[0]["code"] == "request_cancelled"
+        rows = (await client.get("/api/requests")).json()["requests"]
+        assert rows[0]["state"] == "cancelled"
+        assert (await client.post(f"/api/requests/{running[0]['id']}/cancel")).status_code == 404
+        async with asyncio.timeout(10):
+            while r.backend("m").in_flight:
+                await asyncio.sleep(0.02)

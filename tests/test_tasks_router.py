@@ -17,6 +17,8 @@ import soundfile
 from router_helpers import running_router, write_config
 from tasks_helpers import assert_error, audio_file, image_data_url, speech_file
 
+from tests.router_fakes import fake_router
+
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -73,9 +75,9 @@ async def test_a_20_mb_upload_passes_through_and_the_limit_is_a_413(tmp_path: Pa
 
 
 async def test_a_multipart_upload_for_an_unknown_model_is_404(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, FAKES)) as router:
-        response = await router.client.post("/v1/audio/transcriptions", data={"model": "nobody"},
-                                            files={"file": ("a.wav", audio_file("wav", seconds=0.5))})
+    async with fake_router(tmp_path, FAKES) as router, router.client() as client:
+        response = await client.post("/v1/audio/transcriptions", data={"model": "nobody"},
+                                     files={"file": ("a.wav", audio_file("wav", seconds=0.5))})
         assert_error(response, 404, "ears")
 
 
