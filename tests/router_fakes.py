@@ -177,15 +177,23 @@ class FakeRouter:
     ) -> Exchange:
         """POST through the ASGI app; ``disconnect`` set = the client hangs up."""
         body = content if content is not None else json.dumps(data).encode()
+        return await self.request("POST", path, body, disconnect=disconnect)
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", *, disconnect: asyncio.Event | None = None,
+        into: Exchange | None = None,
+    ) -> Exchange:
+        """One exchange through the ASGI app, its body messages kept as sent (``into``: read them meanwhile)."""
         scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path.partition("?")[0], "raw_path": path.encode(), "query_string": path.partition("?")[2].encode(),
+            "root_path": "",
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
             "client": ("127.0.0.1", 40000), "server": ("testserver", 80),
         }  # fmt: skip
         sent = False
         gone = disconnect or asyncio.Event()
-        result = Exchange()
+        result = into or Exchange()
 
         async def receive() -> dict[str, Any]:
             nonlocal sent

@@ -20,7 +20,7 @@ from procman import State
 from router.httpclient import UpstreamError
 from router.vllm_metrics import VLLM_NAMES
 from tests.procman_fakes import FakeProcess, settle
-from tests.router_fakes import Call, FakeReply, FakeRouter, chat, echo, fake_router
+from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router
 from tests.test_router_metrics import _samples, _value, _vllm_sample
 from tests.test_router_proxy import wait_for
 
@@ -287,3 +287,53 @@ async def test_an_operator_cancels_a_request_in_flight(tmp_path: Path) -> None:
         async with asyncio.timeout(10):
             while r.backend("m").in_flight:
                 await asyncio.sleep(0.02)
+
+
+def events_of(exchange: Exchange) -> list[tuple[str, dict[str, Any]]]:
+    """The (event, data) pairs of an SSE body so far."""
+    seen, kind = [], None
+    for line in exchange.body.decode().splitlines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: ") and kind:
+            seen.append((kind, json.loads(line[6:])))
+    return seen
+
+
+async def until(predicate: Any, what: str) -> None:
+    try:
+        async with asyncio.timeout(10):
+            while not predicate():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_api_events_streams_state_changes_and_finished_requests(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"m": model()}) as r, r.client() as client:
+        listening, hang_up = Exchange(), asyncio.Event()
+        task = asyncio.ensure_future(r.request("GET", "/api/events", disconnect=hang_up, into=listening))
+        await until(lambda: any(kind == "snapshot" for kind, _ in events_of(listening)), "the snapshot")
+        assert (await client.post("/v1/chat/completions", json=chat("m"))).status_code == 200
+        await until(lambda: any(k == "request" and d["state"] == "done" for k, d in events_of(listening)), "done")
+        hang_up.set()
+        await asyncio.wait_for(task, 10)
+        seen = events_of(listening)
+        states = [d["state"] for k, d in seen if k == "state" and d["model"] == "m"]
+        assert states[:2] == ["starting", "ready"]
+        finished = [d for k, d in seen if k == "request" and d["state"] == "done"]
+        assert finished[0]["model"] == "m" and finished[0]["status"] == 200
+
+
+async def test_event_and_log_streams_end_when_the_server_shuts_down(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"m": model()}) as r, r.client() as client:
+        r.harness.spawner.on_spawn = lambda proc: proc.say("INFO: model m loaded")
+        assert (await client.post("/api/models/m/load")).status_code == 200
+        events, logs = Exchange(), Exchange()
+        streams = [asyncio.ensure_future(r.request("GET", "/api/events", into=events)),
+                   asyncio.ensure_future(r.request("GET", "/api/models/m/logs?follow=1", into=logs))]
+        await until(lambda: events.body.startswith(b"event: snapshot\n"), "the snapshot")
+        await until(lambda: b"\n" in logs.body, "the log so far")
+        assert logs.body.split(b"\n")[0]
+        r.service.console.close_streams()  # what uvicorn's SIGINT/SIGTERM handler now also does
+        await asyncio.wait_for(asyncio.gather(*streams), 10)  # both streams end: the server need not wait on them

@@ -1,12 +1,12 @@
-"""Per-model activity figures and metrics, cold-start feedback, /api/events and request cancellation,
-on a real router in front of fake-engine model servers."""
+"""Per-model activity figures and metrics (measured RSS, token timings), cold-start feedback and
+``ovrouter status``, on a real router in front of fake-engine model servers. /api/events, request
+cancellation, the vLLM names and the streams' end at shutdown: tests/test_router_api_inprocess.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -129,35 +129,6 @@ async def test_a_failed_start_after_the_head_is_one_error_event(tmp_path: Path) 
         assert [line for line in lines if line][-1] == "data: [DONE]", lines  # as a stream failing mid-way ends
 
 
-async def test_api_events_streams_state_changes_and_finished_requests(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"m": fake_model()})
-    async with running_router(config) as router:
-        seen: list[tuple[str, dict[str, Any]]] = []
-        ready = asyncio.Event()
-
-        async def listen() -> None:
-            async with router.client.stream("GET", "/api/events") as resp:
-                kind = None
-                async for line in resp.aiter_lines():
-                    if line.startswith("event: "):
-                        kind = line[7:]
-                    elif line.startswith("data: ") and kind:
-                        seen.append((kind, json.loads(line[6:])))
-                        if kind == "snapshot":
-                            ready.set()
-                        if kind == "request" and seen[-1][1]["state"] == "done":
-                            return
-
-        task = asyncio.create_task(listen())
-        await asyncio.wait_for(ready.wait(), 60)
-        assert (await router.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        await asyncio.wait_for(task, 60)
-        states = [d["state"] for k, d in seen if k == "state" and d["model"] == "m"]
-        assert states[:2] == ["starting", "ready"]
-        finished = [d for k, d in seen if k == "request" and d["state"] == "done"]
-        assert finished[0]["model"] == "m" and finished[0]["status"] == 200
-
-
 def _exported_names() -> set[str]:
     names = set()
     for family in Metrics().registry.collect():
@@ -233,22 +204,3 @@ def _vllm_sample(family: str) -> str:
     if family in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"):
         return family + "_total"
     return family + "_count" if family.endswith("_seconds") else family
-
-
-async def test_event_and_log_streams_end_when_the_server_shuts_down(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"m": fake_model()})
-    async with running_router(config) as router:
-        assert (await router.client.post("/api/models/m/load")).status_code == 200
-        async with router.client.stream("GET", "/api/events") as events, \
-                router.client.stream("GET", "/api/models/m/logs?follow=1") as logs:
-            event_lines, log_lines = events.aiter_lines(), logs.aiter_lines()
-            assert await anext(event_lines) == "event: snapshot"
-            assert await anext(log_lines)  # the log so far
-            router.service.console.close_streams()  # what uvicorn's SIGINT/SIGTERM handler now also does
-            await asyncio.wait_for(_drain(event_lines), 60)  # both streams end: the server need not wait on them
-            await asyncio.wait_for(_drain(log_lines), 60)
-
-
-async def _drain(lines: AsyncIterator[str]) -> None:
-    async for _ in lines:
-        pass
