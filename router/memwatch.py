@@ -68,8 +68,9 @@ class MemoryWatch:
     async def run(self) -> None:
         while True:
             await self.sample()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: Python 3.11's wait_for loses a cancel
+                async with asyncio.timeout(self.interval_s):  # that comes as the wake does, and shutdown hangs
+                    await self._wake.wait()
             self._wake.clear()
 
     async def sample(self) -> None:
