@@ -127,13 +127,14 @@ async def test_a_failed_load_is_status_failed_and_unload_clears_it(tmp_path: Pat
 
 
 async def test_load_and_unload_answer_like_llama_cpp_when_there_is_nothing_to_do(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model(aliases=["gpt-4o-mini"])})) as router:
-        not_loaded = await router.client.post("/models/unload", json={"model": "echo"})
+    models = {"echo": {"engine": "fake", "aliases": ["gpt-4o-mini"]}}
+    async with fake_router(tmp_path, models) as router, router.client() as client:
+        not_loaded = await client.post("/models/unload", json={"model": "echo"})
         assert not_loaded.status_code == 400 and not_loaded.json()["error"]["param"] == "model"
         assert "not loaded" in not_loaded.json()["error"]["message"]
-        assert (await router.client.post("/models/load", json={"model": "gpt-4o-mini"})).json() == {"success": True}
+        assert (await client.post("/models/load", json={"model": "gpt-4o-mini"})).json() == {"success": True}
         await router.backend("echo").ensure_ready()
-        twice = await router.client.post("/models/load", json={"model": "echo"})
+        twice = await client.post("/models/load", json={"model": "echo"})
         assert twice.status_code == 400 and "already loaded" in twice.json()["error"]["message"]
 
 
