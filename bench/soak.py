@@ -19,7 +19,7 @@ threads (each)          +8             thread pools are bounded
 model processes (all)   <= 2 a model   one, plus a new one beside it in a rolling change
 ======================  ============  ===================================================
 
-SmolLM2's KV cache is sized to :data:`KV_CACHE_GB` (128 MB) here: with prefix caching on (the default for
+SmolLM2's KV cache is sized to :data:`KV_CACHE_BLOCKS` blocks (~8k tokens) here: with prefix caching on (the default for
 ``llm``) the cache keeps the blocks of past prompts until it is full, so the process grows by up to the
 cache's size whatever else happens, and the default 1 GB would take most of a 30-minute run to fill.
 
@@ -50,9 +50,10 @@ log = logging.getLogger("soak")
 
 MIB = 1024 * 1024
 WATCHED = ("router", "calm", "smollm2")
-#: SmolLM2's KV cache in the soak: the prefix cache keeps every block until the cache is full, so the process
-#: grows up to this size whatever the load; the default (1 GB on CPU) would fill over most of a 30-minute run.
-KV_CACHE_GB = 0.125
+#: SmolLM2's KV cache in the soak, in blocks of 32 tokens (256: ~8k tokens, ~100-200 MB): the prefix cache keeps
+#: every block until the cache is full, so the process grows up to this size whatever the load; the default
+#: (1 GB on CPU, ``cache_size`` takes whole GB) would fill over most of a 30-minute run.
+KV_CACHE_BLOCKS = 256
 #: Growth allowed over the baseline (see the module doc): RSS MiB, open files, threads.
 ROUTER_BOUNDS = (48.0, 16, 8)
 MODEL_BOUNDS = (64.0, 16, 8)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir = Path(tmp) / "state"
         chosen = chaos.models(not args.no_real, wrapped=False)
         if "smollm2" in chosen:  # a KV cache full within the warm-up (see the module doc)
-            chosen["smollm2"]["scheduler"] = {"cache_size": KV_CACHE_GB}
+            chosen["smollm2"]["scheduler"] = {"num_kv_blocks": KV_CACHE_BLOCKS}
         config = router_config(state_dir, chosen, {"health_interval_s": 1, "health_failures": 2,
                                                    "request_timeout_s": 50})
         router = start_router(procs, Path(tmp), config)
