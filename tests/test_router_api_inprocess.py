@@ -1,8 +1,9 @@
 """The router's HTTP surface in-process (the real app, procman under fakes, a fake upstream:
 tests/router_fakes.py): bad requests, API keys, cold-start sharing, fatal/crash/error answers,
-preload, task routing and /metrics. Moved from tests/test_router_proxy.py and
-tests/test_router_metrics.py, with their assertions; those files keep the end-to-end proofs over
-real model-server processes (streams, idle stop, hangs, cancels, logs, measured memory)."""
+preload, task routing, /metrics and the vLLM names, an operator's cancel, /api/events and the
+streams' end at shutdown. Moved from tests/test_router_proxy.py and tests/test_router_metrics.py
+with their assertions; those files keep the end-to-end proofs over real model-server processes
+(the SDK over a socket, idle stop, a hang, cancel on disconnect, logs, measured memory)."""
 
 from __future__ import annotations
 
@@ -148,11 +149,10 @@ async def test_api_keys_guard_v1_and_admin_keys_guard_api(tmp_path: Path) -> Non
         admin = {"Authorization": "Bearer root-key"}
         assert (await client.get("/api/models", headers=admin)).status_code == 200
         assert (await client.get("/health")).status_code == 200
-        with pytest.raises(openai.AuthenticationError):
-            await sdk(r, "wrong").chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
-        good = await sdk(r, "user-key").chat.completions.create(
-            model="echo", messages=[{"role": "user", "content": "x"}]
-        )
+        async with sdk(r, "wrong") as wrong, sdk(r, "user-key") as right:
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
+            good = await right.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
         assert good.choices[0].message.content == "x"
 
 
