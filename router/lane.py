@@ -10,6 +10,7 @@ as its answer begins, or after ``hold_s`` at most, so every wait ends. Pure asyn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -35,10 +36,11 @@ class SuspectLane:
     async def ordinary(self, bound_s: float) -> None:
         """A new request waits while suspects are served (their retries then run alone), ``bound_s`` at most."""
         if self._pending:
-            try:
-                await asyncio.wait_for(self._clear.wait(), bound_s)
-            except TimeoutError:
-                pass  # suspects still queued after the bound: go on beside them rather than wait longer
+            # Suspects still queued after the bound: go on beside them rather than wait longer. asyncio.timeout,
+            # not wait_for: Python 3.11's wait_for loses a cancel that comes as the event is set (router/memwatch.py).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(bound_s):
+                    await self._clear.wait()
 
     @asynccontextmanager
     async def suspect(self, hold_s: float) -> AsyncIterator[Callable[[], None]]:
