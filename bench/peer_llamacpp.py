@@ -3,7 +3,7 @@
 Runs where a Python with ``llama_cpp.server`` is found: ``OVROUTER_BENCH_LLAMA_PYTHON`` (the
 interpreter of a venv with ``llama-cpp-python[server]``), else the bench's own. Skipped
 otherwise: the package is a source build (cmake, a C++ compiler, many minutes on a small
-machine), so ``make bench-deps`` does not install it. The server runs as the README's recipe
+machine), so ``make bench-deps`` does not install it. The server runs as the recipe in docs/recipes.md
 has it (``--interrupt_requests false``; through the router ``health_path: /v1/models``,
 ``health_interval_s: 0``, ``max_concurrency: 1``).
 

@@ -1,6 +1,6 @@
-"""The README's configuration reference, generated from the config models so it cannot drift.
+"""The configuration reference in docs/configuration.md, generated from the config models so it cannot drift.
 
-``python -m router.docs`` prints it; a test checks that README.md carries exactly this text.
+``python -m router.docs`` prints it; a test checks that docs/configuration.md carries exactly this text.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def reference() -> str:
         "",
         *_table(RouterSettings, ""),
         "",
-        "### `router.engine` (see [docs/ray.md](docs/ray.md))",
+        "### `router.engine` (see [docs/ray.md](ray.md))",
         "",
         *_table(EngineSettings, "engine."),
         "",

@@ -208,12 +208,12 @@ async def test_read_body_refuses_past_the_limit_without_content_length() -> None
         await read_body(receive, 5000, 1000)
 
 
-def test_readme_config_reference_matches_the_config_models() -> None:
+def test_docs_config_reference_matches_the_config_models() -> None:
     from router.docs import BEGIN, END, reference
 
-    readme = (ROOT / "README.md").read_text()
-    start, end = readme.index(BEGIN), readme.index(END) + len(END)
-    assert readme[start:end] == reference(), "README's config reference is stale: paste `python -m router.docs`"
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    assert page[start:end] == reference(), "docs/configuration.md's reference is stale: paste `python -m router.docs`"
 
 
 def test_forget_drops_every_series_of_a_removed_model() -> None:

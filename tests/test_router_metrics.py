@@ -138,20 +138,22 @@ def _exported_names() -> set[str]:
     return names
 
 
-def test_the_grafana_dashboard_and_the_readme_use_exported_names() -> None:
+def test_the_grafana_dashboard_and_the_api_page_use_exported_names() -> None:
     root = Path(__file__).resolve().parents[1]
     exported = _exported_names()
     dashboard = json.loads((root / "docs" / "grafana-dashboard.json").read_text())
     used = {name for panel in dashboard["panels"] for target in panel["targets"]
             for name in re.findall(r"ovrouter_\w+", target["expr"])}
     assert used and used <= exported, sorted(used - exported)
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("### Metrics"):readme.index("## Configuration")]
+    page = (root / "docs" / "api.md").read_text()
+    start = page.index("## Metrics")
+    end = page.find("\n## ", start + 1)
+    section = page[start:end if end >= 0 else None]
     listed = set(re.findall(r"`(ovrouter_\w+)`", section))
     families = {f.name: f.type for f in Metrics().registry.collect()}
     documented = {name.removesuffix("_total") for name in listed}
     missing = sorted(set(families) - documented)
-    assert not missing, f"exported but not in the README's Metrics section: {missing}"
+    assert not missing, f"exported but not in docs/api.md's Metrics section: {missing}"
     assert documented <= set(families), sorted(documented - set(families))
 
 

@@ -2,7 +2,7 @@
 
 No browser is downloaded: Playwright drives the system's ``/usr/bin/chromium`` (``make test``
 installs it with apt-get when missing). Set ``OVROUTER_SCREENSHOTS=docs`` to write the
-screenshots the README shows; otherwise they go to the test's temporary directory.
+screenshots the README and docs/api.md show; otherwise they go to the test's temporary directory.
 """
 
 from __future__ import annotations
