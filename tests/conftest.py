@@ -1,6 +1,6 @@
 """Shared fixtures. The autouse leak check makes a child process left behind by a test fail that test.
 
-Crashes leave evidence under ``tests/crashes/<run>/`` (see docs/testing.md): faulthandler's traceback of
+Crashes leave evidence under ``tests/crashes/<run>/`` (see docs/robustness.md): faulthandler's traceback of
 every thread of the test process and of every router and model server it starts (``OVROUTER_FAULT_DIR``;
 any other Python child prints it to its stderr: ``PYTHONFAULTHANDLER``), and core files (``RLIMIT_CORE``
 raised to ``OVROUTER_CORE_MB``, default 1024; ``0`` turns them off) moved there from the repository root,

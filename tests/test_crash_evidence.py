@@ -1,5 +1,5 @@
 """A crash of a router or model-server process started by the suite leaves its Python traceback of every thread
-under the run's crash folder (tests/conftest.py sets ``OVROUTER_FAULT_DIR``; docs/testing.md)."""
+under the run's crash folder (tests/conftest.py sets ``OVROUTER_FAULT_DIR``; docs/robustness.md)."""
 
 from __future__ import annotations
 
