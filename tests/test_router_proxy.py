@@ -40,12 +40,13 @@ async def wait_for(predicate: object, timeout_s: float = 20.0, what: str = "cond
 
 
 def alive(pid: int) -> bool:
+    """Running and not a zombie; a process reaped between the two looks (its /proc entry gone) is not alive."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
 
 
 async def test_openai_sdk_chat_stream_alias_and_models_list(tmp_path: Path) -> None:
