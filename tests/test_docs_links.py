@@ -66,3 +66,10 @@ def test_the_anchor_rule_is_githubs() -> None:
         "model-status-for-clients-models-the-llamacpp-routers-api-routeradmin_keys")
     assert _slug("`models.<name>` (and `defaults`, merged under every model)") == (
         "modelsname-and-defaults-merged-under-every-model")
+
+
+def test_every_code_block_is_closed() -> None:
+    """An unclosed fence turns the rest of a page into code (a cut while moving text did that to the README)."""
+    unclosed = [page.relative_to(ROOT).as_posix() for page in PAGES
+                if sum(line.lstrip().startswith("```") for line in page.read_text().splitlines()) % 2]
+    assert not unclosed, f"a code block is never closed in {unclosed}"
