@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default=os.environ.get("OVROUTER_LOG_LEVEL", "info"),
                        choices=["debug", "info", "warning", "error"])
     check = sub.add_parser("check", help="validate a config file and print every problem")
-    check.add_argument("config", nargs="?", default=DEFAULT_CONFIG)
+    check.add_argument("config", nargs="?", default=None)
+    check.add_argument("--config", dest="config_option", metavar="CONFIG",
+                       help=f"config file (default: {DEFAULT_CONFIG}; the positional one, as serve takes it)")
     status = sub.add_parser("status", help="print the models table of a running router")
     status.add_argument("--config", default=DEFAULT_CONFIG, help="read host, port and admin key from this file")
     status.add_argument("--url", help="router URL (default: from the config)")
@@ -82,6 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %d model(s) from %s", len(config.models), config.path)
+    for warning in _missing_paths(config):
+        log.warning("%s", warning)
     log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
     settings = config.router
     limits = connection_limits(settings.head_timeout_s, settings.body_timeout_s, settings.max_connections,
@@ -112,15 +116,25 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_paths(config: Config) -> list[str]:
+    """Valid, but these models would fail to start (a 503 naming the path): said by check and at serve."""
+    return [f"models.{name}.path: {spec.path} does not exist (the model cannot start)"
+            for name, spec in config.models.items()
+            if spec.engine == "openvino" and spec.path and not (spec.url or spec.command)
+            and not Path(spec.path).exists()]
+
+
 def _check(args: argparse.Namespace) -> int:
-    config = _load(args.config)
+    if args.config is not None and args.config_option is not None and args.config != args.config_option:
+        print(f"ovrouter check: two config files ({args.config}, {args.config_option}): give one", file=sys.stderr)
+        return 2
+    config = _load(args.config or args.config_option or DEFAULT_CONFIG)
     print(f"{config.path}: OK, {len(config.models)} model(s)")
     for name, spec in config.models.items():
         where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())
         print(f"  {name:<20} {spec.task:<14} {spec.device:<8} {where}")
-    for name, spec in config.models.items():  # valid, but this model would fail to start (503 naming the path)
-        if spec.engine == "openvino" and spec.path and not (spec.url or spec.command) and not Path(spec.path).exists():
-            print(f"  warning: models.{name}.path: {spec.path} does not exist (the model cannot start)")
+    for warning in _missing_paths(config):
+        print(f"  warning: {warning}")
     return 0
 
 

@@ -107,6 +107,44 @@ def test_check_command_prints_all_errors_and_exits_non_zero(tmp_path: Path) -> N
     assert "models.fake" not in missing.stdout
 
 
+def test_check_takes_config_as_an_option_as_serve_and_status_do(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  gone: {path: nowhere.gguf}\n")
+    run = [sys.executable, "-m", "router.cli", "check"]
+    opt = subprocess.run([*run, "--config", str(path)], capture_output=True, text=True)
+    assert opt.returncode == 0 and f"{path}: OK, 1 model(s)" in opt.stdout
+    assert "warning: models.gone.path:" in opt.stdout
+    both = subprocess.run([*run, str(path), "--config", str(ROOT / "config.yaml")], capture_output=True, text=True)
+    assert both.returncode == 2 and "two config files" in both.stderr
+
+
+def test_serve_warns_of_a_model_path_that_does_not_exist(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new user's config with a wrong path: serve says so at start, not only at the first request's 503."""
+    from router import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  gone: {path: nowhere.gguf}\n  fake: {engine: fake}\n")
+    config = load_config(path)
+    assert cli._missing_paths(config) == [
+        f"models.gone.path: {tmp_path / 'nowhere.gguf'} does not exist (the model cannot start)"]
+    ran: list[object] = []
+
+    class Server:
+        def __init__(self, config: object) -> None:
+            ran.append(config)
+
+        def run(self, sockets: object = None) -> None:
+            ran.append("run")
+
+    import uvicorn
+    monkeypatch.setattr(uvicorn, "Server", Server)  # builds the app, starts nothing
+    with caplog.at_level("WARNING", logger="ovrouter"):
+        assert cli.main(["serve", "--config", str(path)]) == 0
+    assert ran[-1] == "run"
+    assert "models.gone.path:" in caplog.text and "does not exist" in caplog.text
+
+
 def test_invalid_yaml_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("models: [unclosed\n")
