@@ -54,6 +54,8 @@ _RESPONSES_TOKEN_EVENT = b'"type":"response.output_text.delta"'
 #: Anthropic's Messages API (modelserver/api/messages.py): content block deltas; its usage has the same names.
 _MESSAGES_TOKEN_EVENT = b'"type":"content_block_delta"'
 _RESPONSES_USAGE = re.compile(rb'"usage"\s*:\s*\{\s*"input_tokens"\s*:\s*(\d+).*?"output_tokens"\s*:\s*(\d+)', re.S)
+#: Messages usage: ``input_tokens`` leave out the prompt tokens read from the cache, counted here.
+_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
 #: Ollama's NDJSON streams (/ollama/api/chat, /generate): a token line, and the counts of the final object.
 _ND_TOKEN = b'"done":false'
 _ND_USAGE = re.compile(rb'"prompt_eval_count"\s*:\s*(\d+)[^{}]*?"eval_count"\s*:\s*(\d+)')
@@ -307,6 +309,8 @@ class _Watcher:
             found = _ND_USAGE.match(body, at)
         if found:
             record.prompt_tokens, record.completion_tokens = int(found[1]), int(found[2])
+            if (cached := _CACHE_READ.search(body, at, body.find(b"}", at) + 1 or len(body))) is not None:
+                record.prompt_tokens += int(cached[1])  # Anthropic's input_tokens are the uncached part
             return
         if self._sse and record.token_events:
             record.completion_tokens = record.token_events

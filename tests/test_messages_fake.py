@@ -53,6 +53,21 @@ async def test_create_echoes_with_end_turn_and_usage(client: anthropic.AsyncAnth
     assert message.usage.input_tokens == 6 and message.usage.output_tokens == 4  # words: the fake's tokens
 
 
+async def test_input_tokens_leave_out_the_cache_reads_as_anthropic_counts(client: anthropic.AsyncAnthropic,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anthropic's prompt is input_tokens + cache_read_input_tokens (the SDKs and LangChain's usage_metadata add
+    them up): a cache hit moves tokens from one to the other, never counts them twice."""
+    from modelserver.api import messages
+
+    monkeypatch.setattr(messages, "cached_tokens", lambda stream: 4)  # the fake keeps no prefix cache
+    counted = await client.messages.count_tokens(model="fake", messages=ASK, system="be brief")
+    message = await client.messages.create(model="fake", max_tokens=64, messages=ASK, system="be brief")
+    async with client.messages.stream(model="fake", max_tokens=64, messages=ASK, system="be brief") as stream:
+        final = await stream.get_final_message()
+    for usage in (message.usage, final.usage):
+        assert usage.cache_read_input_tokens == 4 and usage.input_tokens + 4 == counted.input_tokens == 6
+
+
 async def test_max_tokens_and_stop_sequences(client: anthropic.AsyncAnthropic) -> None:
     cut = await client.messages.create(model="fake", max_tokens=2, messages=ASK)
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2

@@ -55,11 +55,12 @@ async def test_smollm2_text_stream_count_tokens_and_a_capped_max_tokens(tmp_path
         async with client.messages.stream(max_tokens=24, temperature=0, **ask) as stream:
             streamed = await stream.get_final_message()
         assert streamed.content[0].text == message.content[0].text  # type: ignore[union-attr]  # greedy both times
-        assert streamed.usage.input_tokens == counted.input_tokens
+        # the prompt is input_tokens + cache_read_input_tokens (Anthropic's split: the SDKs add them up)
+        assert streamed.usage.input_tokens + (streamed.usage.cache_read_input_tokens or 0) == counted.input_tokens
         assert streamed.usage.output_tokens == message.usage.output_tokens
         # the same prompt again: its whole KV blocks came from the prefix cache (the first request found none)
         assert message.usage.cache_read_input_tokens == 0
-        assert 0 < (streamed.usage.cache_read_input_tokens or 0) < streamed.usage.input_tokens
+        assert 0 < (streamed.usage.cache_read_input_tokens or 0) < counted.input_tokens
         # Claude Code's max_tokens on an 8k context: capped, never a 400 (a stop sequence keeps the answer short)
         huge = await client.messages.create(max_tokens=64000, temperature=0, stop_sequences=[" ", "\n"], **ask)
         assert huge.stop_reason in ("end_turn", "stop_sequence")
@@ -87,7 +88,8 @@ async def test_tiny_qwen_forced_tool_use_its_result_and_langchain(tmp_path: Path
         counted = await client.messages.count_tokens(model="qwen", messages=messages, tools=[TOOL],
                                                      tool_choice={"type": "none"})
         asked = await client.messages.count_tokens(model="qwen", messages=messages[:1])
-        assert counted.input_tokens == second.usage.input_tokens > asked.input_tokens  # the call and its result
+        prompt = second.usage.input_tokens + (second.usage.cache_read_input_tokens or 0)
+        assert counted.input_tokens == prompt > asked.input_tokens  # the call and its result
         async with client.messages.stream(model="qwen", max_tokens=96, messages=messages[:1], tools=[TOOL],
                                           tool_choice={"type": "tool", "name": "get_weather"}) as stream:
             final = await stream.get_final_message()
@@ -123,4 +125,6 @@ async def test_llava_takes_an_image_block(tmp_path: Path) -> None:
         seen = await client.messages.create(model="llava", max_tokens=8, temperature=0,
                                             messages=[{"role": "user", "content": [image, ask]}])
         assert seen.stop_reason in ("end_turn", "max_tokens") and seen.content[0].type == "text"
-        assert seen.usage.input_tokens >= text_only.usage.input_tokens + 16  # the image's patch embeddings
+        def prompt(usage: Any) -> int:
+            return int(usage.input_tokens + (usage.cache_read_input_tokens or 0))
+        assert prompt(seen.usage) >= prompt(text_only.usage) + 16  # the image's patch embeddings

@@ -171,3 +171,19 @@ async def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event(tmp_path
                 await stream.get_final_message()
 
 
+def test_metrics_count_the_cache_reads_in_a_messages_prompt() -> None:
+    """Messages usage keeps cache reads out of input_tokens; the router's prompt-token figure adds them back."""
+    from router.activity import RequestRecord, _Watcher
+
+    async def send(message: Any) -> None: ...
+
+    def seen(body: bytes) -> tuple[int | None, int | None]:
+        record = RequestRecord(id=1, model="m", path="/v1/messages", client=None, started_at=0.0, t0=0.0)
+        _Watcher(record, None, send)._usage(body)
+        return record.prompt_tokens, record.completion_tokens
+
+    assert seen(b'{"usage":{"input_tokens":1,"output_tokens":4,"cache_read_input_tokens":31}}') == (32, 4)
+    assert seen(b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+                b'"usage":{"input_tokens":2,"output_tokens":3,"cache_read_input_tokens":0}}\n\n') == (2, 3)
+    responses = b'{"usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":8},"output_tokens":2}}'
+    assert seen(responses) == (9, 2)  # OpenAI's input_tokens already hold the cached ones

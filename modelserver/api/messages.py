@@ -119,8 +119,12 @@ class MessageShape:
 
 
 def _usage(run: chat.Run) -> dict[str, int]:
-    return {"input_tokens": run.stream.prompt_tokens, "output_tokens": run.stream.completion_tokens,
-            "cache_read_input_tokens": cached_tokens(run.stream)}
+    """Anthropic's split: ``input_tokens`` are the prompt tokens *not* read from the cache, so that
+    ``input_tokens + cache_read_input_tokens`` is the prompt (what count_tokens answers, and what
+    the SDKs and LangChain's ``usage_metadata`` add up)."""
+    cached = cached_tokens(run.stream)
+    return {"input_tokens": max(run.stream.prompt_tokens - cached, 0), "output_tokens": run.stream.completion_tokens,
+            "cache_read_input_tokens": cached}
 
 
 async def _body(run: chat.Run, shape: MessageShape, parser: str | None) -> dict[str, Any]:
