@@ -88,8 +88,13 @@ class MessagesSplice(Splice):
         usage = dict(event.get("usage") or {})
         usage["output_tokens"] = int(usage.get("output_tokens") or 0) + self.seen.tokens
         if usage.get("input_tokens") is not None:
-            first = (self.seen.usage or {}).get("input_tokens")
-            usage["input_tokens"] = first if first else max(int(usage["input_tokens"]) - self.seen.tokens, 0)
+            first = self.seen.usage or {}
+            if first.get("input_tokens"):  # the first stream's prompt, split as it was into uncached and cache reads
+                usage["input_tokens"] = first["input_tokens"]
+                if "cache_read_input_tokens" in usage or "cache_read_input_tokens" in first:
+                    usage["cache_read_input_tokens"] = int(first.get("cache_read_input_tokens") or 0)
+            else:
+                usage["input_tokens"] = max(int(usage["input_tokens"]) - self.seen.tokens, 0)
         return {**event, "usage": usage}
 
 

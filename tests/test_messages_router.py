@@ -187,3 +187,17 @@ def test_metrics_count_the_cache_reads_in_a_messages_prompt() -> None:
                 b'"usage":{"input_tokens":2,"output_tokens":3,"cache_read_input_tokens":0}}\n\n') == (2, 3)
     responses = b'{"usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":8},"output_tokens":2}}'
     assert seen(responses) == (9, 2)  # OpenAI's input_tokens already hold the cached ones
+
+
+def test_a_resumed_stream_keeps_the_first_prompts_split_of_cache_reads() -> None:
+    """The continuation runs on a fresh process (no cache): its usage says the first prompt, as it was split."""
+    from router.resume import Progress
+    from router.resume_anthropic import MessagesSplice
+
+    first = {"input_tokens": 6, "output_tokens": 0, "cache_read_input_tokens": 32}
+    seen = Progress(tokens=5, role_sent=True, usage=first)
+    delta = {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+             "usage": {"input_tokens": 43, "output_tokens": 195, "cache_read_input_tokens": 0}}
+    out = MessagesSplice(seen).feed(f"event: message_delta\ndata: {json.dumps(delta)}\n\n".encode())
+    (data,) = [json.loads(line[6:]) for line in out.decode().splitlines() if line.startswith("data: ")]
+    assert data["usage"] == {"input_tokens": 6, "output_tokens": 200, "cache_read_input_tokens": 32}
