@@ -115,10 +115,27 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[BaseRoute]:
     return routes + OllamaApi(service).routes() + management_routes(service) + console_routes(service)
 
 
+#: Ollama's routes a client sends when given the router's root as its Ollama URL (they live under /ollama).
+_OLLAMA_ROUTES = frozenset(f"/api/{name}" for name in ("chat", "generate", "tags", "show", "ps", "pull", "version",
+                                                       "embed", "embeddings"))
+
+
+def _route_hint(path: str) -> str:
+    """The likely client setting behind a 404: an Ollama URL without /ollama, a base URL that ends in /v1 twice."""
+    if path in _OLLAMA_ROUTES:
+        return (f" (Ollama's API is under {OLLAMA_PREFIX}: give the app http://HOST:PORT{OLLAMA_PREFIX} as its Ollama"
+                " URL, or set router.ollama_port)")
+    if path.startswith("/v1/v1/"):
+        return " (the base URL ends in /v1 once too often: Anthropic's SDK takes http://HOST:PORT, OpenAI's .../v1)"
+    return ""
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        return error_response(NotFound(f"no route {request.method} {request.url.path}; see GET /v1/models and /api"))
+        path = request.url.path
+        return error_response(NotFound(f"no route {request.method} {path}; see GET /v1/models and /api"
+                                       + _route_hint(path)))
     if exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
         return Response(error_body(message, "invalid_request_error", "method_not_allowed"), status_code=405,

@@ -71,6 +71,10 @@ async def test_bad_requests_get_openai_style_errors(tmp_path: Path) -> None:
         assert missing.status_code == 400 and "`model` is required" in missing.json()["error"]["message"]
         no_route = await client.get("/v2/whatever")
         assert no_route.status_code == 404 and "error" in no_route.json()
+        ollama_at_root = await client.post("/api/chat", json=chat("echo"))  # an Ollama URL without /ollama
+        assert ollama_at_root.status_code == 404 and "http://HOST:PORT/ollama" in ollama_at_root.text
+        twice = await client.post("/v1/v1/messages", json=chat("echo"))  # ANTHROPIC_BASE_URL=.../v1
+        assert twice.status_code == 404 and "ends in /v1 once too often" in twice.json()["error"]["message"]
         wrong_method = await client.get("/v1/chat/completions")
         assert wrong_method.status_code == 405 and "error" in wrong_method.json()
         assert r.backend("echo").state is State.STOPPED, "nothing above may start a model"
