@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router.config import Config, ConfigError, load_config
+from router.config import Config, ConfigError, load_config, missing_paths
 from router.statustable import status_table
 
 __all__ = ["main"]
@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %d model(s) from %s", len(config.models), config.path)
-    for warning in _missing_paths(config):
+    for warning in missing_paths(config):
         log.warning("%s", warning)
     log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
     settings = config.router
@@ -116,14 +116,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _missing_paths(config: Config) -> list[str]:
-    """Valid, but these models would fail to start (a 503 naming the path): said by check and at serve."""
-    return [f"models.{name}.path: {spec.path} does not exist (the model cannot start)"
-            for name, spec in config.models.items()
-            if spec.engine == "openvino" and spec.path and not (spec.url or spec.command)
-            and not Path(spec.path).exists()]
-
-
 def _check(args: argparse.Namespace) -> int:
     if args.config is not None and args.config_option is not None and args.config != args.config_option:
         print(f"ovrouter check: two config files ({args.config}, {args.config_option}): give one", file=sys.stderr)
@@ -133,7 +125,7 @@ def _check(args: argparse.Namespace) -> int:
     for name, spec in config.models.items():
         where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())
         print(f"  {name:<20} {spec.task:<14} {spec.device:<8} {where}")
-    for warning in _missing_paths(config):
+    for warning in missing_paths(config):
         print(f"  warning: {warning}")
     return 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -232,6 +232,16 @@ def parse_config(data: Mapping[str, Any], base_dir: Path, path: Path | None = No
     if errors:
         raise ConfigError(list(dict.fromkeys(errors)), str(path) if path else "config")
     return Config(router=router, models=models, groups=groups, path=path)
+
+
+def missing_paths(config: Config, names: Iterable[str] | None = None) -> list[str]:
+    """Valid, but these models (of ``names``; default all) would fail to start, a 503 naming the path:
+    said by ``ovrouter check``, at serve and on a reload that adds or changes them."""
+    chosen = config.models if names is None else {name: config.models[name] for name in names}
+    return [f"models.{name}.path: {spec.path} does not exist (the model cannot start)"
+            for name, spec in chosen.items()
+            if spec.engine == "openvino" and spec.path and not (spec.url or spec.command)
+            and not Path(spec.path).exists()]
 
 
 def load_config(path: Path) -> Config:

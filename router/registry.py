@@ -15,7 +15,7 @@ from typing import Any
 
 from modelserver.spec import ModelSpec
 from procman import LOADED, Backend, BackendUnavailable, ProcessManager, Scope, State
-from router.config import Config
+from router.config import Config, missing_paths
 from router.lane import SuspectLane
 from router.launch import backend_spec
 from router.limits import MIB, BodyBudget, Limiter
@@ -155,6 +155,8 @@ class Registry:
         self._reindex()
         self.start_preloads(changes.added)
         log.info("config applied: added=%s changed=%s removed=%s", changes.added, changes.changed, changes.removed)
+        for warning in missing_paths(new, changes.added + changes.changed):
+            log.warning("%s", warning)
         return changes
 
     def _change(self, model: Model, spec: ModelSpec) -> None:

@@ -12,7 +12,7 @@ import yaml
 
 from modelserver.spec import ModelSpec, build_model_spec
 from router.body import model_of, read_body
-from router.config import ConfigError, load_config, parse_config
+from router.config import ConfigError, load_config, missing_paths, parse_config
 from router.errors import BadRequest, PayloadTooLarge, TooManyRequests
 from router.launch import backend_spec
 from router.limits import Limiter
@@ -126,7 +126,7 @@ def test_serve_warns_of_a_model_path_that_does_not_exist(tmp_path: Path, caplog:
     path = tmp_path / "c.yaml"
     path.write_text("models:\n  gone: {path: nowhere.gguf}\n  fake: {engine: fake}\n")
     config = load_config(path)
-    assert cli._missing_paths(config) == [
+    assert missing_paths(config) == [
         f"models.gone.path: {tmp_path / 'nowhere.gguf'} does not exist (the model cannot start)"]
     ran: list[object] = []
 

@@ -97,6 +97,17 @@ async def test_router_and_supervisor_changes_apply_without_a_restart(tmp_path: P
         assert (spec.idle_timeout_s, spec.health_interval_s, spec.policy.max_retries) == (120, 2, 1)
 
 
+async def test_a_reload_that_adds_a_model_whose_path_is_missing_warns(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    path = write_config(tmp_path, {"echo": fake_model()})
+    async with running_router(path) as router:
+        rewrite(path, lambda d: d["models"].update({"ghost": {"path": "nowhere.gguf"}}))
+        with caplog.at_level("WARNING", logger="router.registry"):
+            assert (await router.client.post("/api/reload")).json()["diff"]["added"] == ["ghost"]
+        assert f"models.ghost.path: {tmp_path / 'nowhere.gguf'} does not exist" in caplog.text
+        assert "models.echo" not in caplog.text
+
+
 RETUNES = {
     "idle_timeout_s": (60, lambda m: m.backend.spec.idle_timeout_s == 60),
     "health_interval_s": (7, lambda m: m.backend.spec.health_interval_s == 7),
