@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -91,12 +92,23 @@ class ClientApi:
 
         return wrap
 
+    def _anthropic(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Anthropic's ``ModelInfo`` fields beside OpenAI's, for a client that sent ``anthropic-version``."""
+        created = datetime.fromtimestamp(self.service.started_at, UTC).isoformat().replace("+00:00", "Z")
+        return {**entry, "type": "model", "display_name": entry["id"], "created_at": created}
+
     async def list_models(self, request: Request) -> Response:
-        return JSONResponse(self.models_list())
+        listing = self.models_list()
+        if "anthropic-version" in request.headers:  # Anthropic's SDKs: ModelInfo fields and its page fields
+            data = [self._anthropic(entry) for entry in listing["data"]]
+            listing = {**listing, "data": data, "has_more": False,
+                       "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+        return JSONResponse(listing)
 
     async def retrieve(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        return JSONResponse(self.entry(self._resolve(model_id), model_id))
+        entry = self.entry(self._resolve(model_id), model_id)
+        return JSONResponse(self._anthropic(entry) if "anthropic-version" in request.headers else entry)
 
     async def load(self, request: Request) -> Response:
         model = self._resolve(await _model_field(request))

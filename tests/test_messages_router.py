@@ -201,3 +201,16 @@ def test_a_resumed_stream_keeps_the_first_prompts_split_of_cache_reads() -> None
     out = MessagesSplice(seen).feed(f"event: message_delta\ndata: {json.dumps(delta)}\n\n".encode())
     (data,) = [json.loads(line[6:]) for line in out.decode().splitlines() if line.startswith("data: ")]
     assert data["usage"] == {"input_tokens": 6, "output_tokens": 200, "cache_read_input_tokens": 32}
+
+
+async def test_the_anthropic_sdk_lists_and_retrieves_models(tmp_path: Path) -> None:
+    """With ``anthropic-version`` (the SDK's header), /v1/models adds Anthropic's ModelInfo and page fields."""
+    async with running_router(config(tmp_path)) as router:
+        client = sdk(router)
+        page = await client.models.list()
+        assert [(m.id, m.type, m.display_name) for m in page.data] == [("echo", "model", "echo")]
+        assert page.has_more is False and page.first_id == page.last_id == "echo"
+        alias = await client.models.retrieve("claude-haiku-4-5")
+        assert alias.id == "claude-haiku-4-5" and alias.type == "model" and alias.created_at.year >= 2024
+        plain = (await router.client.get("/v1/models")).json()  # an OpenAI client: unchanged
+        assert "type" not in plain["data"][0] and "has_more" not in plain
