@@ -147,8 +147,14 @@ class OllamaApi:
         return Response("Ollama is running", media_type="text/plain; charset=utf-8")
 
     async def unknown(self, request: Request) -> Response:
-        return ollama_error(NotFound(f"404 page not found: {request.method} {request.url.path} is not part of "
-                                     "Ollama's API here"))
+        path, hint = request.url.path, ""
+        server, ollama_port = request.scope.get("server"), self.service.config.router.ollama_port
+        if ollama_port is not None and server is not None and server[1] == ollama_port:
+            path = path[len(PREFIX):] or "/"  # as the client sent it: this port serves Ollama's API at its root
+            if path.startswith("/api/"):
+                hint = " (the router's management /api is on router.port)"
+        return ollama_error(NotFound(f"404 page not found: {request.method} {path} is not part of "
+                                     f"Ollama's API here{hint}"))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})

@@ -226,6 +226,8 @@ async def test_ollama_port_serves_the_api_at_its_root(tmp_path: Path, demo_gguf:
         async with httpx.AsyncClient(base_url=root, timeout=30) as http:
             assert (await http.get("/")).text == "Ollama is running"
             assert (await http.get("/v1/models")).json()["object"] == "list"  # Ollama serves /v1 too
+            missing = (await http.get("/api/models")).json()["error"]  # the path as sent, not the inner /ollama
+            assert missing.startswith("404 page not found: GET /api/models is not") and "router.port" in missing
         client = ollama.AsyncClient(host=root, timeout=60)
         assert "fake:latest" in {m.model for m in (await client.list()).models}
         answer = await client.chat(model="fake", messages=[{"role": "user", "content": "root path"}], stream=False)
