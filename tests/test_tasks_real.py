@@ -118,18 +118,26 @@ async def test_minilm_concurrent_requests_share_pipeline_calls_and_keep_their_ow
     minilm: ModelServerProcess,
 ) -> None:
     texts = [f"Sentence {i}: {topic}." for i, topic in enumerate([CAT, KITTEN, STOCKS, "hi"] * 4)]
+    calls: list[int] = []
     async with minilm.async_client() as client:
         alone = [(await client.post("/v1/embeddings", json={"input": text})).json() for text in texts[:4]]
-        before = (await client.get("/health")).json()
-        answers = await asyncio.gather(*(client.post("/v1/embeddings", json={"input": text}) for text in texts))
-        after = (await client.get("/health")).json()
-    bodies = [answer.json() for answer in answers]
-    assert after["completed"] - before["completed"] < len(texts)  # fewer pipeline calls than requests
+        # Whether 16 requests sent at once overlap in the server depends on the client's and the machine's
+        # timing (about 1 round in 8 arrives one by one, on this commit and before it): up to 5 rounds, each
+        # checked in full, until one of them shared a pipeline call.
+        for _ in range(5):
+            before = (await client.get("/health")).json()
+            answers = await asyncio.gather(*(client.post("/v1/embeddings", json={"input": text}) for text in texts))
+            after = (await client.get("/health")).json()
+            bodies = [answer.json() for answer in answers]
+            for body, reference in zip(bodies[:4], alone, strict=True):  # padding in a batch leaves each vector
+                assert body["data"][0]["embedding"] == pytest.approx(reference["data"][0]["embedding"], abs=1e-4)
+                assert body["usage"] == reference["usage"]
+            assert all(len(body["data"]) == 1 and body["data"][0]["index"] == 0 for body in bodies)
+            calls.append(after["completed"] - before["completed"])
+            if calls[-1] < len(texts):
+                break
+    assert min(calls) < len(texts), f"pipeline calls per round of {len(texts)} concurrent requests: {calls}"
     assert after["largest_batch"] > 1
-    for body, reference in zip(bodies[:4], alone, strict=True):  # padding in a batch leaves each vector as alone
-        assert body["data"][0]["embedding"] == pytest.approx(reference["data"][0]["embedding"], abs=1e-4)
-        assert body["usage"] == reference["usage"]
-    assert all(len(body["data"]) == 1 and body["data"][0]["index"] == 0 for body in bodies)
 
 
 def test_minilm_batch_is_one_pipeline_call(minilm: ModelServerProcess) -> None:
