@@ -66,6 +66,7 @@ class Prepared:
     store: bool = True
     previous: str | None = None
     stream: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)  # what the cold-start opening echoes of the request
 
 
 def prepare(body: bytes, store: ResponseStore) -> Prepared:
@@ -84,8 +85,9 @@ def prepare(body: bytes, store: ResponseStore) -> Prepared:
         items = [*stored.conversation, *items]
         data["input"] = items
         body = json.dumps(data, ensure_ascii=False).encode()
+    settings = {key: data[key] for key in _ECHOED if data.get(key) is not None}
     return Prepared(body, "resp_" + uuid.uuid4().hex, str(data.get("model")), items, data.get("store") is not False,
-                    previous, data.get("stream") is True)
+                    previous, data.get("stream") is True, settings)
 
 
 def headers_for(prepared: Prepared) -> list[tuple[str, str]]:
@@ -102,14 +104,31 @@ def _items(value: Any) -> list[dict[str, Any]]:
     return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
 
 
+#: The request's settings a response object echoes (OpenAI's spec requires most of them in every response).
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls", "temperature", "text",
+           "tool_choice", "tools", "top_p", "truncation")
+
+
 def opening(prepared: Prepared) -> bytes:
-    """``response.created`` + ``response.in_progress`` of a response not started yet (cold-start feedback)."""
+    """``response.created`` + ``response.in_progress`` of a response not started yet (cold-start feedback):
+    the object the model server sends at its start, as far as the request tells it (no ``usage`` yet: the
+    spec's ``usage`` is an object, so it is left out rather than null)."""
+    echoed = {"instructions": None, "max_output_tokens": None, "metadata": {}, "parallel_tool_calls": True,
+              "temperature": None, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+              "top_p": None, "truncation": "disabled", **prepared.settings}
+    echoed["tools"] = echoed_tools(echoed["tools"]) if isinstance(echoed["tools"], list) else []
     response = {"id": prepared.response_id, "object": "response", "created_at": int(time.time()),
                 "status": "in_progress", "error": None, "incomplete_details": None, "model": prepared.model,
-                "output": [], "previous_response_id": prepared.previous, "parallel_tool_calls": True,
-                "tool_choice": "auto", "tools": [], "usage": None}
+                "output": [], "previous_response_id": prepared.previous, "store": prepared.store, **echoed}
     return b"".join(_event({"type": kind, "sequence_number": n, "response": response})
                     for n, kind in enumerate(_LIFECYCLE))
+
+
+def echoed_tools(tools: list[Any]) -> list[Any]:
+    """The request's tools as a response lists them: a function tool always says ``strict`` (the spec
+    requires it; OpenAI's default is true)."""
+    return [{**tool, "strict": tool.get("strict", True)} if isinstance(tool, dict) and tool.get("type") == "function"
+            else tool for tool in tools]
 
 
 def _event(data: dict[str, Any]) -> bytes:

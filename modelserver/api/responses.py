@@ -88,9 +88,10 @@ class Output:
             "output": [], "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": previous,
             "reasoning": {"effort": None, "summary": None}, "store": body.store, "temperature": body.temperature,
             "text": body.text or {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [], "top_p": body.top_p, "truncation": body.truncation or "disabled",
-            "usage": None,
-        }
+            "tools": [{**tool, "strict": tool.get("strict", True)} if tool.get("type") == "function" else tool
+                      for tool in body.tools or []],  # the spec requires strict (OpenAI's default: true)
+            "top_p": body.top_p, "truncation": body.truncation or "disabled",
+        }  # usage comes with the end (the spec's usage is an object: left out, not null, until then)
         if body.user is not None:
             self.envelope["user"] = body.user
 
