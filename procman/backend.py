@@ -11,9 +11,9 @@ abandons its answer, never the work: the owner finishes what it started.
 
 The request path is the one shortcut: admitting a request and counting it done are decided
 in the caller's own turn when the queue is empty and no decision is under way — exactly the
-step the owner would take next, without two task switches per request. The commonest of
-those (admit to a READY process with room; a done that leaves others in flight) take the
-machine's decision and apply its counters directly (:meth:`Backend._shortcut`).
+step the owner would take next, through the owner's own :meth:`Backend._handle`, without two
+task switches per request. The commonest of those (admit to a READY process with room; a done
+that leaves others in flight) also skip the reply future (:meth:`Backend._shortcut`).
 
 Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never change anything.
 """
@@ -21,14 +21,16 @@ Queries (``state``, ``pid``, ``snapshot()``, ``is_idle()``) read and never chang
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+from procman import deaths, process
 from procman import machine as m
-from procman import process
 from procman.address import Address, safe_name
+from procman.deaths import Death
 from procman.errors import (
     BackendClosed,
     BackendUnavailable,
@@ -43,14 +45,9 @@ from procman.runtime import Runtime
 from procman.spec import BackendSpec
 from procman.states import ALLOWED, State
 
-__all__ = ["FAILURE_REASONS", "Backend", "Death", "Lease"]
+__all__ = ["FAILURE_REASONS", "Backend", "Lease"]
 
 log = logging.getLogger(__name__)
-
-#: Commands answered once the backend settles (the others are answered at once, or when a start ends).
-COMMANDS = (m.Stop, m.Close, m.Restart, m.Update, m.Retune)
-#: Settled states: a command (stop, restart, update) is answered once the backend rests in one.
-SETTLED = frozenset({State.STOPPED, State.READY, State.BACKOFF})
 
 
 class Lease(NamedTuple):
@@ -85,13 +82,14 @@ class Backend:
         self._handling = False
         self._running: process.Running | None = None
         self._next_spec = spec
-        self._parked: list[tuple[asyncio.Future[Any], bool]] = []
+        self._parked: list[tuple[asyncio.Future[Any], m.Event]] = []  # callers and the Want each parked with
         self._settling: list[asyncio.Future[Any]] = []
         self._start_error: BackendUnavailable | None = None
         self._start_began = 0.0
         self._abort: asyncio.Event | None = None
         self._helpers: dict[str, asyncio.Task[Any]] = {}
         self._kill_why: tuple[int | None, str] | None = None  # (generation, why) of a restart the caller explained
+        self._fast = True  # the request path's shortcut (tests turn it off to compare both paths)
 
     # -- what others read --------------------------------------------------------------------
 
@@ -165,12 +163,6 @@ class Backend:
         stops or the settings change."""
         self._post(m.KeepAlive(keep_s))
 
-    def _forgiven(self, event: m.Forgive) -> m.Forgive:
-        """``event`` with its count: the deaths among its generations that were counted, now blamed."""
-        counted = [g for g in event.generations if (d := self._deaths.get(g)) is not None and not d.blamed]
-        for generation in counted:
-            self._deaths[generation] = self._deaths[generation]._replace(blamed=True)
-        return m.Forgive(event.generations, len(counted))
 
     def death(self, generation: int) -> Death | None:
         """How the process of ``generation`` ended, when it failed (crash, fatal, hang) while READY.
@@ -180,8 +172,7 @@ class Backend:
         known = self._deaths.get(generation)
         running = self._running
         if known is None and running is not None and generation == self.generation and running.exited.done():
-            exited = self._exited(running, generation)
-            known = Death(exited.cause, running.exit_code, self.counters.in_flight, exited.blamed)
+            known = self._exit_death(running)
         return known
 
     def snapshot(self) -> dict[str, object]:
@@ -226,15 +217,16 @@ class Backend:
         return InFlight(self)
 
     async def _admitted(self) -> Lease:
-        running = self._running
-        if running is not None and not running.exited.done() and self._shortcut(_WANT_ONE):
-            return Lease(running.address, running.pid, self.counters.generation, running.exited)
+        if self._shortcut(_WANT_ONE):
+            lease = self._lease()
+            assert lease is not None  # the shortcut admits only to a live process
+            return lease
         return await self._want(count=True)
 
     async def _finished(self) -> None:
         if self._shortcut(_DONE):
-            self.last_used = time.time()
-        elif self._quiet():
+            return
+        if self._quiet():
             self._dispatch(_DONE, None)
         else:
             done = self._post(_DONE, want_reply=True)
@@ -331,28 +323,26 @@ class Backend:
     # -- the owner ---------------------------------------------------------------------------
 
     def _shortcut(self, event: m.Want | m.Done) -> bool:
-        """Decide a request's admit or done right here when the answer touches nothing but the counters.
+        """Decide a request's admit or done in the caller's turn and, when the answer is plain, take the owner's
+        own step with it — no reply future, no task switch; False: the event goes the usual way.
 
-        Invariant: the owner is quiet (nothing queued, nothing being decided), the backend is
-        READY, and ``decide`` — the machine itself, pure, so asking it changes nothing — answers
-        READY with no effect but ``Admit`` (admit) or none at all (a done that leaves requests in
-        flight). The counters then move exactly as the owner would move them in its next turn,
-        and nothing else would have happened: no state, no timer, no wake-up, no listener (the
-        manager's room accounting changes only when a backend turns idle, and that done has an
-        effect, so it takes the owner's way). Any other answer is dropped and the event goes the
-        usual way. The caller of an admit checks first that the process has not exited.
+        The one exception to "the owner task decides" (procman/README.md, "How it works"): when the owner is
+        quiet (nothing queued, nothing being decided), the backend READY and its process alive, ``decide`` is
+        asked right here, and an answer that :func:`procman.machine.plain` accepts (an admit with room, a done
+        that leaves requests in flight) goes through :meth:`_handle` like any event — the same bookkeeping,
+        effects, settling and ``Runtime.changed``. The caller of an admit then builds its lease from the live
+        process, as ``Admit`` would. tests/test_procman_shortcut.py runs random event sequences with the
+        shortcut on and off and compares everything a caller, a listener or the manager can see.
         """
-        if self.state is not State.READY or not self._quiet():
+        running = self._running
+        if not self._fast or self.state is not State.READY or running is None or not self._quiet():
             return False
+        if deaths.heard_first(self.state, event, running.exited.done()):
+            return False  # the owner's step would decide the death first
         decision = m.decide(State.READY, event, self.counters, self._tuning, self._rt.clock())
-        effects = decision.effects
-        if isinstance(event, m.Want):
-            plain = len(effects) == 1 and type(effects[0]) is m.Admit
-        else:
-            plain = not effects
-        if decision.state is not State.READY or not plain:
+        if not m.plain(event, decision):
             return False
-        self.counters = decision.counters
+        self._dispatch(event, None, decision)
         return True
 
     def _quiet(self) -> bool:
@@ -369,10 +359,10 @@ class Backend:
             self._dispatch(event, reply)
         self._cancel(*list(self._helpers))  # closed and stopped: no timer or watch outlives the backend
 
-    def _dispatch(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+    def _dispatch(self, event: m.Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
         self._handling = True
         try:
-            self._handle(event, reply)
+            self._handle(event, reply, decision)
         except Exception as exc:  # a bug must not kill the owner: the caller hears it, the log has it
             log.exception("%s: handling %r failed", self.name, event)
             if reply is not None and not reply.done():
@@ -380,63 +370,77 @@ class Backend:
         finally:
             self._handling = False
 
-    def _handle(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+    def _handle(self, event: m.Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
+        """The owner's step for one event (``decision``: the shortcut's, already taken for this very state):
+        the event's own bookkeeping, the decision and its effects, the caller's answer, ``Runtime.changed``."""
         if reply is not None and reply.done():
             return  # the caller went away before its turn
-        running = self._running
-        if isinstance(event, m.Want) and running is not None and running.exited.done() and self.state is State.READY:
-            self._apply(self._exited(running, self.generation), None)  # the death first: never admit to a dead one
-        if isinstance(event, m.Forgive):
-            event = self._forgiven(event)
-        if isinstance(event, m.Retune):
-            self.spec = self._next_spec
-        elif isinstance(event, m.Done):
-            self.last_used = time.time()
-        self._apply(event, reply)
-        if reply is not None and not reply.done() and isinstance(event, COMMANDS):
-            self._settling.append(reply)
-        elif reply is not None and not reply.done() and not isinstance(event, m.Want):
-            reply.set_result(None)
-        if self._settling and self.state in SETTLED and not self.counters.draining:
+        before = _BEFORE.get(type(event))
+        if before is not None:
+            event = before(self, event)
+        self._apply(event, reply, decision)
+        answer = m.answered(event)
+        if reply is not None and not reply.done():
+            if answer == "settled":
+                self._settling.append(reply)
+            elif answer == "turn":
+                reply.set_result(None)
+        if self._settling and m.settled(self.state, self.counters):
             settling, self._settling = self._settling, []
             for waiter in settling:
                 if not waiter.done():
                     waiter.set_result(None)
         self._rt.changed(self)
 
-    def _apply(self, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+    def _apply(self, event: m.Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
         self._note_death(event)
-        if isinstance(event, m.Started):
-            self._landed(event)
         old = self.state
-        decision = m.decide(old, event, self.counters, self._tuning, self._rt.clock())
+        if decision is None:
+            decision = m.decide(old, event, self.counters, self._tuning, self._rt.clock())
         self.counters = decision.counters
         if decision.state is not old:
             self._set_state(decision.state)
         for effect in decision.effects:
             self._do(effect, event, reply)
 
-    def _landed(self, event: m.Started) -> None:
+    # -- each event's own bookkeeping, before it is decided (_BEFORE) ----------------------------
+
+    def _death_first(self, event: m.Want) -> m.Event:
+        """A caller that wants the process never gets a lease on a dead one: its exit is decided first."""
+        running = self._running
+        if running is not None and deaths.heard_first(self.state, event, running.exited.done()):
+            self._apply(self._exited(running, self.generation), None)
+        return event
+
+    def _forgiven(self, event: m.Forgive) -> m.Event:
+        """``event`` with its count: the deaths among its generations that were counted, now blamed."""
+        counted = deaths.forgivable(self._deaths, event.generations)
+        for generation in counted:
+            self._deaths[generation] = dataclasses.replace(self._deaths[generation], blamed=True)
+        return m.Forgive(event.generations, len(counted))
+
+    def _retuned(self, event: m.Retune) -> m.Event:
+        self.spec = self._next_spec  # decided with the new settings
+        return event
+
+    def _done(self, event: m.Done) -> m.Event:
+        self.last_used = time.time()
+        return event
+
+    def _landed(self, event: m.Started) -> m.Event:
         if isinstance(event.payload, process.Running):
             self._running = event.payload
         elif isinstance(event.payload, BackendUnavailable):
             self._start_error = event.payload
             self.started_at = None
             self.exit_code = event.payload.exit_code if isinstance(event.payload, StartFailed) else None
+        return event
 
     def _note_death(self, event: m.Event) -> None:
         """Remember how the READY process ended (what a request it failed is told: ``death(generation)``)."""
-        if self.state is not State.READY:
-            return
-        if isinstance(event, m.Exited) and event.generation == self.generation:
-            code = self._running.exit_code if self._running is not None else None
-            death = Death(event.cause, code, self.counters.in_flight, event.blamed)
-        elif isinstance(event, m.Hung) and event.generation == self.generation:
-            death = Death("hang", None, self.counters.in_flight, self.counters.in_flight == 1)
-        elif isinstance(event, m.Restart) and event.reason in FAILURE_REASONS and event.generation in (
-                None, self.generation):
-            death = Death(event.reason, None, self.counters.in_flight, event.blamed)
-        else:
+        code = self._running.exit_code if self._running is not None else None
+        death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code)
+        if death is None:
             return
         self._deaths[self.generation] = death
         for old in [g for g in self._deaths if g < self.generation - DEATHS_KEPT]:
@@ -459,14 +463,18 @@ class Backend:
         handler = _EFFECTS[type(effect)]
         handler(self, effect, event, reply)
 
-    def _admit(self, effect: m.Admit, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+    def _lease(self) -> Lease | None:
         running = self._running
-        if reply is not None and running is not None:
-            reply.set_result(Lease(running.address, running.pid, self.generation, running.exited))
+        return Lease(running.address, running.pid, self.generation, running.exited) if running is not None else None
+
+    def _admit(self, effect: m.Admit, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        lease = self._lease()
+        if reply is not None and lease is not None:
+            reply.set_result(lease)
 
     def _park(self, effect: m.Park, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         if reply is not None:
-            self._parked.append((reply, isinstance(event, m.Want) and event.count))
+            self._parked.append((reply, event))
 
     def _refuse(self, effect: m.Refuse, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         if reply is not None:
@@ -488,9 +496,9 @@ class Backend:
 
     def _wake(self, effect: m.Wake, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         parked, self._parked = self._parked, []
-        for waiter, count in parked:
+        for waiter, want in parked:
             if not waiter.done():
-                self._apply(m.Want(count), waiter)
+                self._apply(want, waiter)
 
     def _fail_parked(self, effect: m.FailParked, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         parked, self._parked = self._parked, []
@@ -573,17 +581,8 @@ class Backend:
             return
         told, self._kill_why = self._kill_why, None
         why = told[1] if told is not None and told[0] in (None, self.generation) else None
-        self.last_error = f"{self.name} pid={pid} was killed: {why or self._fault_words(effect.reason)}"
+        self.last_error = f"{self.name} pid={pid} was killed: {why or deaths.fault_words(effect.reason, self.spec)}"
         log.warning("%s", self.last_error)
-
-    def _fault_words(self, reason: str) -> str:
-        if reason == "hang":
-            spec = self.spec
-            timeout = f"{spec.health_timeout_s:g}s timeout"
-            return f"{spec.health_path} failed {spec.health_failures} probes in a row ({timeout})"
-        if reason == "fatal":
-            return "the backend reported an unrecoverable (fatal) error"
-        return reason
 
     def _swap(self, effect: m.Swap, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         self.spec = self._next_spec
@@ -662,24 +661,15 @@ class Backend:
         else:  # a hang with one request in flight: that request most likely hung it
             self._post(m.Hung(generation, blamed=self.counters.in_flight == 1))
 
+    def _exit_death(self, running: process.Running) -> Death:
+        """The exit of ``running``, classified by :func:`procman.deaths.of_exit` (its code, its last lines)."""
+        tail = self.logs.since(running.log_mark, process.CAUSE_LINES)
+        return deaths.of_exit(running.exit_code, tail, self.spec.fatal_patterns, self.counters.in_flight)
+
     def _exited(self, running: process.Running, generation: int) -> m.Exited:
-        """The exit of ``running``, classified: ``fatal`` by its last lines, ``blamed`` when one request was in
-        flight and the process ended by itself (not an external signal)."""
-        code = running.exit_code
-        cause = process.exit_cause(code, self.logs.since(running.log_mark, process.CAUSE_LINES),
-                                   self.spec.fatal_patterns)
-        blamed = cause == "crash" and self.counters.in_flight == 1 and not process.external_signal(code)
-        return m.Exited(generation, cause, blamed, lost=process.node_lost(running))
-
-
-class Death(NamedTuple):
-    """How a READY process failed: ``cause`` (crash, fatal, hang), its exit code (negative: the signal; None
-    when the supervisor killed it), the requests in flight then, and whether one alone is to blame."""
-
-    cause: str
-    code: int | None
-    in_flight: int
-    blamed: bool = False
+        death = self._exit_death(running)
+        cause: Literal["crash", "fatal"] = "fatal" if death.cause == "fatal" else "crash"
+        return m.Exited(generation, cause, death.blamed, lost=process.node_lost(running))
 
 
 #: Deaths remembered per backend (a request asks about its own process, a moment after it died).
@@ -733,6 +723,15 @@ class InFlight:
 
 _WANT_ONE = m.Want(count=True)
 _DONE = m.Done()
+
+#: Each event's own bookkeeping before it is decided (:meth:`Backend._handle`).
+_BEFORE: dict[type, Callable[[Backend, Any], m.Event]] = {
+    m.Want: Backend._death_first,
+    m.Forgive: Backend._forgiven,
+    m.Retune: Backend._retuned,
+    m.Done: Backend._done,
+    m.Started: Backend._landed,
+}
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -98,9 +98,12 @@ __all__ = [
     "Wake",
     "Want",
     "Watch",
+    "answered",
     "decide",
     "failures_now",
     "idle_after_s",
+    "plain",
+    "settled",
 ]
 
 #: A request that finds its model relaunching after a run-time failure waits for the fresh process
@@ -159,6 +162,15 @@ class Decision(NamedTuple):
     effects: tuple[Effect, ...]
 
 
+#: When the caller of an event hears back (``answered``): a Want by the decision's effects (Admit, Park,
+#: Refuse), a command once the backend settles (``settled``), every other event once its turn came.
+Answer = Literal["decision", "settled", "turn"]
+_ANSWERS: dict[type, Answer] = {Want: "decision", Stop: "settled", Close: "settled", Restart: "settled",
+                                Update: "settled", Retune: "settled"}
+#: Settled states: a command (stop, restart, update) is answered once the backend rests in one, with no drain.
+SETTLED = frozenset({State.STOPPED, State.READY, State.BACKOFF})
+
+
 # -- queries ----------------------------------------------------------------------------------
 
 
@@ -184,6 +196,27 @@ def idle_after_s(counters: Counters, policy: Policy) -> float | None:
     if keep == float("inf") or idle <= 0:
         return None
     return max(idle, keep)
+
+
+def answered(event: Event) -> Answer:
+    """When the caller of ``event`` is answered: by the decision, once the backend settles, or at once."""
+    return _ANSWERS.get(type(event), "turn")
+
+
+def settled(state: State, counters: Counters) -> bool:
+    """Whether the commands waiting for the backend to settle are answered now."""
+    return state in SETTLED and not counters.draining
+
+
+def plain(event: Want | Done, decision: Decision) -> bool:
+    """A request's admit or done whose answer touches nothing but the counters (``Backend._shortcut``): READY
+    stays READY, and an admit is answered ``Admit()`` alone, a done (others still in flight) with nothing."""
+    if decision.state is not State.READY:
+        return False
+    effects = decision.effects
+    if type(event) is Want:
+        return len(effects) == 1 and type(effects[0]) is Admit
+    return not effects
 
 
 def backoff_remaining(counters: Counters, now: float) -> float:

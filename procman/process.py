@@ -32,10 +32,7 @@ __all__ = [
     "Running",
     "TOKEN_ENV",
     "child_command",
-    "EXTERNAL_SIGNALS",
-    "exit_cause",
     "exit_words",
-    "external_signal",
     "kill",
     "kill_now",
     "launch",
@@ -52,7 +49,7 @@ POLL_MAX_S = 0.5  # ...up to this
 CLASH_RETRIES = 5  # ports tried when the child reports its port taken
 KILL_REAP_S = 5.0  # how long a SIGKILLed process may take to be reaped
 TAIL_LINES = 20  # log lines quoted in a failed start
-CAUSE_LINES = 20  # last log lines an exit is classified by
+CAUSE_LINES = 20  # last log lines an exit is classified by (procman.deaths.of_exit)
 #: The environment variable that hands a process on a node its bearer token (``modelserver`` reads the same name).
 TOKEN_ENV = "OVROUTER_MODEL_TOKEN"
 #: A process whose spec ``announces_ready`` gets a fresh token in this variable and prints ``READY_PREFIX + token``
@@ -276,15 +273,6 @@ def _quote(message: str, tail: list[str]) -> str:
     return message + "; last log lines:\n" + "\n".join(tail)
 
 
-#: Signals a process does not raise by failing itself: someone (a user, the OOM killer) killed it.
-EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
-
-
-def external_signal(code: int | None) -> bool:
-    """Whether exit ``code`` means the process was killed from outside (by a signal it did not raise itself)."""
-    return code is not None and code < 0 and -code in EXTERNAL_SIGNALS
-
-
 def node_lost(running: Running) -> bool:
     """Whether the process ended because its node (or its actor) went away: an engine with nodes says so on
     its handle (``lost``); a local process never is."""
@@ -306,16 +294,6 @@ def signal_name(code: int) -> str:
         return signal.Signals(-code).name
     except ValueError:
         return f"signal {-code}"
-
-
-def exit_cause(code: int | None, tail: Iterable[str], fatal_patterns: Iterable[str]) -> Literal["fatal", "crash"]:
-    """Why a process died on its own: ``fatal`` when it exited non-zero (or by a signal) and one of
-    its last lines holds one of ``fatal_patterns`` (ignoring case), else ``crash``."""
-    if code == 0:
-        return "crash"
-    lowered = [line.lower() for line in tail]
-    patterns = [p.lower() for p in fatal_patterns if p]
-    return "fatal" if any(p in line for line in lowered for p in patterns) else "crash"
 
 
 async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Running) -> Literal["crash", "hang"]:

@@ -12,6 +12,10 @@ alone. A second death shared with other requests blames none of them (a poison n
 retried beside them is as likely): each gets an ordinary 502 and is not sent a third time —
 but a stream under way is resumed again while ``max_resumes`` allows (default 2).
 
+The death and its predicates (``Death``, ``external``, ``innocent``) are procman's
+(:mod:`procman.deaths`): the same record and the same policy that decide whether a death
+counts toward the backoff. This module adds the router's part, the verdict.
+
 *Suspects* (:func:`suspect`): the requests of a death shared by several, not caused from
 outside. One of them may be the poison, so their second tries run one at a time (the
 router's suspect lane, :mod:`router.recovery`): an innocent one is served, and the poison
@@ -25,33 +29,13 @@ ran; the device stopped). Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
-from procman.process import EXTERNAL_SIGNALS
+from procman.deaths import Death, external, innocent
 
-__all__ = ["EXTERNAL_SIGNALS", "Cause", "Death", "Verdict", "external", "innocent", "suspect", "verdict"]
+__all__ = ["Verdict", "suspect", "verdict"]
 
-Cause = Literal["crash", "fatal", "hang", "stall"]
 Verdict = Literal["again", "fail", "blame"]
-
-@dataclass(frozen=True, slots=True)
-class Death:
-    """How one process ended: ``cause``, its exit code (negative: the signal) and the requests in flight."""
-
-    cause: Cause
-    code: int | None = None
-    in_flight: int = 1
-
-
-def external(death: Death) -> bool:
-    """Killed from outside (a signal it did not raise itself) rather than failing by itself."""
-    return death.cause == "crash" and death.code is not None and death.code < 0 and -death.code in EXTERNAL_SIGNALS
-
-
-def innocent(death: Death) -> bool:
-    """The death was plausibly not the doing of a request in flight in it."""
-    return external(death) or death.cause in ("fatal", "stall") or death.in_flight > 1
 
 
 def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:

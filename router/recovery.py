@@ -53,13 +53,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from starlette.types import Send
 
 from procman import Backend, BackendUnavailable, Lease
+from procman.deaths import Death, external
 from procman.process import exit_words
-from router.blame import Cause, Death, external, suspect, verdict
+from router.blame import suspect, verdict
 from router.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
 from router.framing import OPENAI, Framing, framing_of
 from router.httpclient import UpstreamError, UpstreamTimeout
@@ -300,7 +301,7 @@ def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:
     """How the process behind ``lease`` ended, as the backend saw it (or as the lease tells)."""
     known = backend.death(lease.generation)
     if known is not None:
-        return Death(cast(Cause, known.cause), known.code, known.in_flight)
+        return known
     code = None
     if lease.exited.done() and not lease.exited.cancelled() and lease.exited.exception() is None:
         code = int(lease.exited.result())

@@ -21,7 +21,8 @@ from procman import (
     backoff_delay,
 )
 from procman.address import is_address_clash, short_name
-from procman.process import exit_cause, exit_words
+from procman.deaths import exit_cause
+from procman.process import exit_words
 
 pytestmark = pytest.mark.timeout(30)
 

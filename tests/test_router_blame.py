@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from router.blame import Death, verdict
+from procman.deaths import Death
+from router.blame import verdict
 
 SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
 
