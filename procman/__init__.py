@@ -22,10 +22,11 @@ from procman.errors import (
 )
 from procman.logbuffer import LogBuffer
 from procman.manager import ProcessManager
+from procman.notices import Evicted, Notice, Restarted, Started, Stopped, Transition
 from procman.policy import RestartPolicy, backoff_delay
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
-from procman.runtime import Listener
+from procman.runtime import BeforeStart
 from procman.spawner import ProcessHandle, Spawner, SubprocessSpawner
 from procman.spec import BackendSpec, FrozenEnv
 from procman.states import ALLOWED, LOADED, State
@@ -40,27 +41,33 @@ __all__ = [
     "BackendClosed",
     "BackendSpec",
     "BackendUnavailable",
+    "BeforeStart",
+    "Evicted",
     "FrozenEnv",
     "HttpProber",
     "InBackoff",
     "InvalidTransition",
     "Lease",
-    "Listener",
     "LogBuffer",
     "Member",
+    "Notice",
     "ProcessHandle",
     "ProcessManager",
     "Prober",
     "ProcmanError",
     "RestartPolicy",
+    "Restarted",
     "Room",
     "Scope",
     "Spawner",
     "StartFailed",
+    "Started",
     "StartInterrupted",
     "StartTimeout",
     "State",
+    "Stopped",
     "SubprocessSpawner",
+    "Transition",
     "backoff_delay",
     "victims",
 ]

@@ -41,6 +41,7 @@ from procman.errors import (
 )
 from procman.logbuffer import LogBuffer
 from procman.machine import FAILURE_REASONS, Counters
+from procman.notices import Restarted, Started, Stopped, Transition
 from procman.runtime import Runtime
 from procman.spec import BackendSpec
 from procman.states import ALLOWED, State
@@ -454,7 +455,8 @@ class Backend:
         self.state = new
         self.state_since = self._rt.clock()
         log.info("%s %s->%s pid=%s", self.name, old.name, new.name, self.pid)
-        self._rt.notify("on_transition", self, old, new)
+        self._rt.publish(Transition(self.name, old, new, self.pid, self.counters.reason or None, self.generation,
+                                    self.last_error, self.started_at, self.retry_after_s))
         self._rt.changed(self)  # the manager's accounting sees every state, even one left within this event
 
     # -- effects -----------------------------------------------------------------------------
@@ -557,13 +559,20 @@ class Backend:
     def _notify(self, effect: m.Notify, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         if effect.what == "start":
             self.starts += effect.ok
-            self._rt.notify("on_start", self, effect.reason, effect.ok, self._rt.clock() - self._start_began)
+            error = None if effect.ok else str(self._start_error or "start failed")
+            self._rt.publish(Started(self.name, effect.reason, effect.ok, self._rt.clock() - self._start_began,
+                                     self.generation, self.pid, error))
         elif effect.what == "restart":
             self.restarts += 1
-            self._rt.notify("on_restart", self, effect.reason)
+            self._rt.publish(self.restarted(effect.reason))
         else:
             log.info("stopped %s (%s)", self.name, effect.reason)
-            self._rt.notify("on_stop", self, effect.reason)
+            self._rt.publish(Stopped(self.name, effect.reason, self.generation))
+
+    def restarted(self, reason: str) -> Restarted:
+        """The news that this backend's process is being replaced for ``reason``, with its figures now."""
+        node = self._running.node if self._running is not None else None
+        return Restarted(self.name, reason, self.generation, self.pid, node, self.last_error)
 
     def _blame(self, effect: m.Blame, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
         running = self._running
@@ -618,8 +627,7 @@ class Backend:
 
     async def _starting(self, reserve: bool, abort: asyncio.Event) -> m.Started:
         try:
-            hook = self._rt.before_start if reserve and not self.spec.remote else None
-            if hook is not None and not await _unless(abort, hook(self)):
+            if reserve and not self.spec.remote and not await _unless(abort, self._rt.prepare(self)):
                 return m.Started("aborted")
             where = self._rt.locate(self) if self._rt.locate is not None else None
             running = await process.launch(self._rt, self.spec, self.logs, abort, where)

@@ -14,10 +14,11 @@ from procman.address import AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
 from procman.nodes import Node, Seat, choose_node
+from procman.notices import Evicted, N
 from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place, waiting_words
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
-from procman.runtime import Listener, Runtime, Sleep
+from procman.runtime import BeforeStart, Runtime, Sleep
 from procman.spawner import Spawner, SubprocessSpawner, Where
 from procman.spec import BackendSpec
 from procman.states import State
@@ -46,8 +47,8 @@ class ProcessManager:
     ``runtime_dir`` holds ``sockets/`` (mode 0700) and ``logs/<name>.log``. ``scopes(name)``
     says which limits a backend's start must fit (``max_loaded_models``, groups): before a
     start from no process the backend awaits :meth:`make_room`, which stops idle backends
-    (least recently used first) and waits for them to exit. ``before_start`` replaces that
-    step (tests); raising BackendUnavailable there refuses the start.
+    (least recently used first) and waits for them to exit; hooks added with
+    :meth:`add_before_start` run before it, and raising BackendUnavailable there refuses the start.
 
     Memory: ``claims(name)`` says what a backend takes on which device (its size, pinned,
     ``min_residency_s``) and ``budgets()`` the bytes each device allows; :meth:`make_room`
@@ -69,8 +70,6 @@ class ProcessManager:
         prober: Prober | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Sleep = asyncio.sleep,
-        listener: Listener | None = None,
-        before_start: Callable[[Backend], Awaitable[None]] | None = None,
         scopes: Scopes | None = None,
         claims: Claims | None = None,
         budgets: Budgets | None = None,
@@ -86,8 +85,7 @@ class ProcessManager:
             clock=clock,
             sleep=sleep,
             log_dir=self.runtime_dir / "logs",
-            listeners=[listener] if listener is not None else [],
-            before_start=before_start or self._reserve,
+            room=self._reserve,
             on_change=self._changed,
             log_lines=log_lines,
             locate=self._where if cluster is not None else None,
@@ -112,32 +110,20 @@ class ProcessManager:
         self._room_waiters = 0
         self._room_waits: dict[str, str] = {}  # written only by make_room: model -> why its start waits
 
-    # -- listeners ------------------------------------------------------------------------------
+    # -- observers ------------------------------------------------------------------------------
 
-    def add_listener(self, listener: Listener) -> None:
-        """Observe every backend's transitions, starts, restarts and stops (see :class:`Listener`)."""
-        self._runtime.listeners.append(listener)
+    def subscribe(self, kind: type[N], fn: Callable[[N], None]) -> None:
+        """Call ``fn(notice)`` for every ``kind`` notice of any backend (:mod:`procman.notices`), in order of
+        subscription; a subscriber that raises is logged and the others still hear it."""
+        self._runtime.notices.subscribe(kind, fn)
 
-    def remove_listener(self, listener: Listener) -> None:
-        if listener in self._runtime.listeners:
-            self._runtime.listeners.remove(listener)
+    def unsubscribe(self, kind: type[N], fn: Callable[[N], None]) -> None:
+        self._runtime.notices.unsubscribe(kind, fn)
 
-    @property
-    def listener(self) -> Listener | None:
-        """The first listener (the one given to the constructor)."""
-        return self._runtime.listeners[0] if self._runtime.listeners else None
-
-    @listener.setter
-    def listener(self, listener: Listener | None) -> None:
-        self._runtime.listeners[:1] = [listener] if listener is not None else []
-
-    @property
-    def before_start(self) -> Callable[[Backend], Awaitable[None]] | None:
-        return self._runtime.before_start
-
-    @before_start.setter
-    def before_start(self, hook: Callable[[Backend], Awaitable[None]] | None) -> None:
-        self._runtime.before_start = hook
+    def add_before_start(self, hook: BeforeStart) -> None:
+        """Run ``hook(backend)`` before every start from no process, after the hooks added before it and before
+        the room is made; raising BackendUnavailable refuses the start."""
+        self._runtime.before_start.append(hook)
 
     # -- backends -------------------------------------------------------------------------------
 
@@ -400,7 +386,7 @@ class ProcessManager:
         """The successor takes ``name``; the old backend is returned (for the caller to drain and close).
 
         The old process's memory counts until it has exited. ``restart_reason``: tell the
-        listeners the model was restarted (``on_restart``), as a stop-first restart would.
+        subscribers the model was restarted (``Restarted``), as a stop-first restart would.
         """
         new = self._extra.pop(name + NEW)
         old = self._backends[name]
@@ -413,7 +399,7 @@ class ProcessManager:
             self._placed[name] = self._placed.pop(name + NEW)
         if restart_reason is not None:
             new.restarts = old.restarts + 1
-            self._runtime.notify("on_restart", new, restart_reason)
+            self._runtime.publish(new.restarted(restart_reason))
         self._signal()
         return old
 
@@ -431,7 +417,7 @@ class ProcessManager:
         size = f", {format_bytes(claim.size_bytes)} on {claim.device}" if claim.device is not None else ""
         log.info("evicting %s (%s, least recently used idle%s) to start %s", victim, reason, size, target)
         self._evicting.add(victim)
-        self._runtime.notify("on_evict", backend, target, reason)
+        self._runtime.publish(Evicted(victim, target, reason))
         task = asyncio.ensure_future(backend.stop("evict"))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 

@@ -7,48 +7,25 @@ state machine run under a fake spawner and a fake clock in unit tests, with no s
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from procman.address import AddressAllocator
+from procman.notices import Notice, Notices
 from procman.prober import Prober
 from procman.spawner import Spawner, Where
-from procman.states import State
 
 if TYPE_CHECKING:
     from procman.backend import Backend
 
-__all__ = ["Listener", "Runtime", "Sleep", "wait_done"]
-
-log = logging.getLogger(__name__)
+__all__ = ["BeforeStart", "Runtime", "Sleep", "wait_done"]
 
 Sleep = Callable[[float], Awaitable[Any]]
-
-
-class Listener(Protocol):
-    """Observer of backends (metrics, the event bus, logging). Every method is optional; errors are logged.
-
-    ``backend.snapshot()["reason"]`` names why the last start, stop or restart happened. A
-    listener may also have ``on_evict(backend, target, reason)``: the manager stopped
-    ``backend`` to make room for ``target`` (reason ``memory`` or ``max_loaded``).
-    """
-
-    def on_transition(self, backend: Backend, old: State, new: State) -> None: ...
-
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        """A start attempt ended; reason: cold, crash, fatal, hang, reload, manual."""
-        ...
-
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        """A running backend is being replaced (crash, hang, fatal, manual)."""
-        ...
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        """A backend was stopped on purpose (idle, unload, reload, shutdown, evict...)."""
-        ...
+#: A step before a backend's start from no process (device checks, making room); raising BackendUnavailable
+#: refuses the start.
+BeforeStart = Callable[["Backend"], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -59,23 +36,25 @@ class Runtime:
     clock: Callable[[], float]
     sleep: Sleep
     log_dir: Path
-    listeners: list[Listener] = field(default_factory=list)
-    before_start: Callable[[Backend], Awaitable[None]] | None = None
+    notices: Notices = field(default_factory=Notices)
+    #: run in order before a start from no process, then ``room`` (the manager's make_room)
+    before_start: list[BeforeStart] = field(default_factory=list)
+    room: BeforeStart | None = None
     on_change: Callable[[Backend], None] | None = None
     log_lines: int = 1000
     #: an engine with nodes: where a backend's start was placed (None: the local engine)
     locate: Callable[[Backend], Where] | None = None
 
-    def notify(self, method: str, *args: object) -> None:
-        """Call ``listener.<method>(*args)`` on every listener that has it; a failing listener is only logged."""
-        for listener in self.listeners:
-            callback = getattr(listener, method, None)
-            if callback is None:
-                continue
-            try:
-                callback(*args)
-            except Exception:
-                log.exception("listener %s failed", method)
+    def publish(self, notice: Notice) -> None:
+        """Hand ``notice`` to its subscribers; a failing subscriber is only logged."""
+        self.notices.publish(notice)
+
+    async def prepare(self, backend: Backend) -> None:
+        """Run every ``before_start`` hook in order, then make room (the first that raises refuses the start)."""
+        for hook in list(self.before_start):
+            await hook(backend)
+        if self.room is not None:
+            await self.room(backend)
 
     def changed(self, backend: Backend) -> None:
         """A backend handled an event (its state, in-flight count or room may have changed)."""

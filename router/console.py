@@ -1,7 +1,7 @@
 """The operator's view of a running router: live events, per-model figures, request activity.
 
 One :class:`Console` per :class:`~router.service.RouterService`. It listens to procman
-beside the registry (one more listener of the ProcessManager), publishes what
+beside the registry (a subscriber of the ProcessManager's notices), publishes what
 it hears on its :class:`~router.events.EventBus` (``state``, ``loading``, ``loaded``,
 ``restart``), owns the :class:`~router.activity.Activity` of proxied requests, and computes
 the figures that ``/api/models``, ``/api/events``, ``/ui`` and ``ovrouter status`` show:
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from procman import Backend, State
+from procman import Restarted, Started, State, Stopped, Transition
 from router.activity import Activity
 from router.budget import process_memory_bytes
 from router.events import EventBus
@@ -55,56 +55,63 @@ class Console:
         self.activity = Activity(service.metrics, self.bus, self.load_s.get)
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._closing: asyncio.Event | None = None
-        service.registry.manager.add_listener(self)
+        manager = service.registry.manager
+        manager.subscribe(Transition, self._transition)
+        manager.subscribe(Started, self._started)
+        manager.subscribe(Restarted, self._restarted)
+        manager.subscribe(Stopped, self._stopped)
 
-    # -- procman listener ------------------------------------------------------------------------
+    # -- what procman tells ----------------------------------------------------------------------
 
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        if not self.service.registry.is_current(backend):
+    def _transition(self, news: Transition) -> None:
+        if not self.service.registry.is_current(news.name, news.generation):
             return  # the other process of a rolling change: its own `rolling` events tell
-        self._publish_state(backend, old)
-        if new is State.STARTING and backend.name not in self._loading:
-            self._loading[backend.name] = asyncio.ensure_future(self._loading_ticks(backend))
-        elif new is not State.STARTING and (task := self._loading.pop(backend.name, None)) is not None:
+        self._publish_state(news.name, news.new, news.old, news.pid, news.last_error, news.started_at)
+        if news.new is State.STARTING and news.name not in self._loading:
+            self._loading[news.name] = asyncio.ensure_future(self._loading_ticks(news.name))
+        elif news.new is not State.STARTING and (task := self._loading.pop(news.name, None)) is not None:
             task.cancel()
-        if new is State.STOPPED:
-            self.reported.pop(backend.name, None)
+        if news.new is State.STOPPED:
+            self.reported.pop(news.name, None)
 
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self.last_reason[backend.name] = f"start:{reason}" if ok else f"failed start:{reason}"
-        if ok:
-            self.load_s[backend.name] = duration_s
-            self.service.metrics.load_seconds.labels(backend.name).set(duration_s)
-        error = None if ok else backend.last_error
-        self.bus.publish("loaded", {"model": backend.name, "ok": ok, "reason": reason,
-                                    "duration_s": round(duration_s, 3), "last_error": error})
+    def _started(self, news: Started) -> None:
+        self.last_reason[news.name] = f"start:{news.reason}" if news.ok else f"failed start:{news.reason}"
+        if news.ok:
+            self.load_s[news.name] = news.duration_s
+            self.service.metrics.load_seconds.labels(news.name).set(news.duration_s)
+        self.bus.publish("loaded", {"model": news.name, "ok": news.ok, "reason": news.reason,
+                                    "duration_s": round(news.duration_s, 3), "last_error": news.last_error})
 
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        self.restarts[backend.name][reason] += 1
-        self.last_reason[backend.name] = f"restart:{reason}"
-        self.bus.publish("restart", {"model": backend.name, "reason": reason})
+    def _restarted(self, news: Restarted) -> None:
+        self.restarts[news.name][news.reason] += 1
+        self.last_reason[news.name] = f"restart:{news.reason}"
+        self.bus.publish("restart", {"model": news.name, "reason": news.reason})
 
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        if not self.service.registry.is_current(backend):
+    def _stopped(self, news: Stopped) -> None:
+        model = self.service.registry.models.get(news.name)
+        if model is None or not self.service.registry.is_current(news.name, news.generation):
             return
-        self.last_reason[backend.name] = f"stop:{reason}"
-        self._publish_state(backend, None)
+        self.last_reason[news.name] = f"stop:{news.reason}"
+        backend = model.backend
+        self._publish_state(news.name, backend.state, None, backend.pid, backend.last_error, backend.started_at)
 
-    def _publish_state(self, backend: Backend, old: State | None) -> None:
+    def _publish_state(self, name: str, state: State, old: State | None, pid: int | None, last_error: str | None,
+                       started_at: float | None) -> None:
         self.bus.publish("state", {
-            "model": backend.name, "state": backend.state.value.lower(), "old": old.value.lower() if old else None,
-            "pid": backend.pid, "reason": self.last_reason.get(backend.name), "last_error": backend.last_error,
-            "started_at": backend.started_at, "at": time.time(),
+            "model": name, "state": state.value.lower(), "old": old.value.lower() if old else None,
+            "pid": pid, "reason": self.last_reason.get(name), "last_error": last_error,
+            "started_at": started_at, "at": time.time(),
         })
 
-    async def _loading_ticks(self, backend: Backend) -> None:
+    async def _loading_ticks(self, name: str) -> None:
         began = time.monotonic()
         with contextlib.suppress(asyncio.CancelledError):
-            while backend.state is State.STARTING:
-                self.bus.publish("loading", {"model": backend.name, "elapsed_s": round(time.monotonic() - began, 1),
-                                             "estimate_s": _round(self.load_s.get(backend.name))})
+            while (model := self.service.registry.models.get(name)) is not None and (
+                    model.backend.state is State.STARTING):
+                self.bus.publish("loading", {"model": name, "elapsed_s": round(time.monotonic() - began, 1),
+                                             "estimate_s": _round(self.load_s.get(name))})
                 await asyncio.sleep(LOADING_TICK_S)
-        self._loading.pop(backend.name, None)
+        self._loading.pop(name, None)
 
     # -- long-lived streams end when the server shuts down ------------------------------------
 

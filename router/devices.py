@@ -10,8 +10,8 @@ someone fixes it and calls ``POST /api/devices/{device}/reset``. Processes alrea
 on it keep running (a model that still works is not taken away).
 
 :class:`DeviceHealth` is pure bookkeeping with an injected clock; :class:`DeviceGuard` ties
-it to the registry: a procman listener that records fatal restarts, and a ``before_start``
-hook in front of procman's own that refuses a start on an unhealthy device. On a cluster
+it to the registry: a subscriber of procman's ``Restarted`` notices that records fatal restarts,
+and a ``before_start`` hook (run before procman makes room) that refuses a start on an unhealthy device. On a cluster
 (``router.engine.kind: ray``) a device is counted per node (``<node>/GPU.0``), and placement
 avoids the nodes where a model's device is marked instead of refusing the start.
 """
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from procman import BackendUnavailable
+from procman import BackendUnavailable, Restarted
 
 if TYPE_CHECKING:
-    from procman import Backend, State
+    from procman import Backend
     from router.registry import Registry
 
 __all__ = ["DEFAULT_WINDOW_S", "DeviceGuard", "DeviceHealth", "Unhealthy"]
@@ -129,10 +129,9 @@ class DeviceGuard:
         self.registry = registry
         self.health = DeviceHealth(threshold=threshold)
         manager = registry.manager
-        self._start_hook: Callable[[Backend], Awaitable[None]] | None = manager.before_start
-        manager.before_start = self.before_start
+        manager.add_before_start(self.before_start)
         manager.avoid = self.unhealthy_nodes  # on a cluster: a device is marked per node, and placement avoids it
-        manager.add_listener(self)
+        manager.subscribe(Restarted, self._restarted)
 
     def _device(self, name: str) -> str | None:
         model = self.registry.models.get(name)
@@ -140,22 +139,12 @@ class DeviceGuard:
             return None  # only the model servers this router runs on a device count
         return model.spec.device
 
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        pass
-
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        pass
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        pass
-
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        device = self._device(backend.name)
-        if reason != "fatal" or device is None:
+    def _restarted(self, news: Restarted) -> None:
+        device = self._device(news.name)
+        if news.reason != "fatal" or device is None:
             return
-        node = backend.snapshot().get("node")  # on a cluster the same device name exists on every node
-        where = f"{node}/{device}" if node else device
-        mark = self.health.record_fatal(where, backend.name, backend.last_error or "")
+        where = f"{news.node}/{device}" if news.node else device  # on a cluster the device name is on every node
+        mark = self.health.record_fatal(where, news.name, news.last_error or "")
         if mark is not None:
             log.error("%s", mark.message())
 
@@ -174,8 +163,6 @@ class DeviceGuard:
         refused = self.refusal(backend.name)
         if refused is not None:
             raise BackendUnavailable(refused)
-        if self._start_hook is not None:
-            await self._start_hook(backend)
 
     def snapshot(self) -> list[dict[str, Any]]:
         devices = sorted({d for name in self.registry.models if (d := self._device(name)) is not None})

@@ -9,10 +9,10 @@ procman's states map onto the four values clients know::
     STOPPING  -> unloaded
     BACKOFF   -> failed     (a start failed or the process died; the next start waits out a delay)
 
-:class:`StatusBus` sits in procman's listener chain (it forwards every call to the listener
-it replaced, the registry) and publishes one ``model_status`` event per change of a model's
-value on the router's event bus (data in llama.cpp's shape), plus a progress event every
-``progress_interval_s`` while a model loads and somebody listens.
+:class:`StatusBus` subscribes to procman's notices (after the registry, so the metrics move
+first) and publishes one ``model_status`` event per change of a model's value on the router's
+event bus (data in llama.cpp's shape), plus a progress event every ``progress_interval_s``
+while a model loads and somebody listens.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from procman import Backend, State
+from procman import Started, State, Stopped, Transition
 from router.errors import client_line
 from router.events import EventBus
 from router.registry import Model
@@ -56,7 +56,7 @@ KIND = "model_status"
 
 
 class StatusBus:
-    """Listener of every backend (chained in front of the registry) and publisher of status events."""
+    """Subscriber of every backend's notices and publisher of status events."""
 
     def __init__(self, service: RouterService, events: EventBus, *, progress_interval_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -71,8 +71,9 @@ class StatusBus:
         self._changed: dict[str, asyncio.Future[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
         manager = service.registry.manager
-        self._inner = manager.listener
-        manager.listener = self
+        manager.subscribe(Transition, self._transition)
+        manager.subscribe(Started, self._started)
+        manager.subscribe(Stopped, self._stopped)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -115,7 +116,7 @@ class StatusBus:
     def refused(self, model: Model) -> None:
         """A load the router refused before it began (it can never fit): ``failed`` until the next start or stop."""
         self._last_start_failed[model.spec.name] = True
-        self._publish_change(model.backend)
+        self._publish_change(model.spec.name)
 
     def event(self, model: Model) -> dict[str, Any]:
         """A llama.cpp ``model_status`` event with the model's current status."""
@@ -128,46 +129,37 @@ class StatusBus:
         self.events.publish(KIND, event)
         return str(event["data"]["status"])
 
-    # -- procman Listener (every call is forwarded to the listener this bus replaced) -----------
+    # -- what procman tells ----------------------------------------------------------------------
 
-    def _forward(self, method: str, *args: Any) -> None:
-        callback = getattr(self._inner, method, None)
-        if callback is not None:
-            callback(*args)
-
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        self._forward("on_transition", backend, old, new)
-        name = backend.name
-        if new is State.STARTING:
+    def _transition(self, news: Transition) -> None:
+        name = news.name
+        if news.new is State.STARTING:
             self._load_began[name] = self._clock()
         future = self._changed.pop(name, None)
         if future is not None and not future.done():
             future.set_result(None)
-        self._publish_change(backend)
-        if new is State.STARTING:
+        self._publish_change(name, news.generation)
+        if news.new is State.STARTING:
             self._start_ticker()
 
-    def _publish_change(self, backend: Backend) -> None:
-        """Publish the model's status when its value differs from the last one published."""
-        model = self.service.registry.models.get(backend.name)
-        if model is not None and model.backend is backend and self._published.get(backend.name) != (
-                self.status(model)["value"]):
-            self._published[backend.name] = self._publish(model)
+    def _publish_change(self, name: str, generation: int | None = None) -> None:
+        """Publish the model's status when its value differs from the last one published (``generation``: only
+        when that process is the one the model routes to)."""
+        model = self.service.registry.models.get(name)
+        if model is None or (generation is not None and model.backend.generation != generation):
+            return
+        if self._published.get(name) != self.status(model)["value"]:
+            self._published[name] = self._publish(model)
 
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self._forward("on_start", backend, reason, ok, duration_s)
-        self._last_start_failed[backend.name] = not ok
-        if ok:
-            self._load_s[backend.name] = duration_s
-        self._publish_change(backend)
+    def _started(self, news: Started) -> None:
+        self._last_start_failed[news.name] = not news.ok
+        if news.ok:
+            self._load_s[news.name] = news.duration_s
+        self._publish_change(news.name, news.generation)
 
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        self._forward("on_restart", backend, reason)
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        self._forward("on_stop", backend, reason)
-        self._last_start_failed.pop(backend.name, None)  # stopped on purpose: unloaded, not failed
-        self._publish_change(backend)
+    def _stopped(self, news: Stopped) -> None:
+        self._last_start_failed.pop(news.name, None)  # stopped on purpose: unloaded, not failed
+        self._publish_change(news.name, news.generation)
 
     # -- load progress ------------------------------------------------------------------------
 

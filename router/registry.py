@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from modelserver.spec import ModelSpec
-from procman import LOADED, Backend, BackendUnavailable, ProcessManager, Scope, State
+from procman import (
+    LOADED,
+    Backend,
+    BackendUnavailable,
+    ProcessManager,
+    Restarted,
+    Scope,
+    Started,
+    State,
+    Stopped,
+    Transition,
+)
 from router.config import Config, missing_paths
 from router.lane import SuspectLane
 from router.launch import backend_spec
@@ -60,10 +71,12 @@ class Registry:
         if manager is None:
             manager = _manager(config)
         self.manager = manager
-        manager.add_listener(self)
+        manager.subscribe(Transition, self._transition)
+        manager.subscribe(Started, self._started)
+        manager.subscribe(Restarted, self._restarted)
+        manager.subscribe(Stopped, self._stopped)
         manager.scopes = self.scopes
         self.residency = Residency(self)  # memory budgets, measured sizes, evictions, rolling changes
-        manager.add_listener(self.residency)
         manager.claims = self.residency.claim
         manager.budgets = self.residency.budgets
         self.models: dict[str, Model] = {}
@@ -98,10 +111,11 @@ class Registry:
         model.backend = backend
         self.metrics.in_flight.labels(model.spec.name).set_function(lambda: backend.in_flight)
 
-    def is_current(self, backend: Backend) -> bool:
-        """Whether ``backend`` is the one its model routes to (not a rolling change's other process)."""
-        model = self.models.get(backend.name)
-        return model is not None and model.backend is backend
+    def is_current(self, name: str, generation: int) -> bool:
+        """Whether the process ``generation`` of ``name`` is the one its model routes to (not a rolling change's
+        other process)."""
+        model = self.models.get(name)
+        return model is not None and model.backend.generation == generation
 
     def _reindex(self) -> None:
         """Lookups the hot path makes, rebuilt whenever the set of models or their specs change."""
@@ -190,23 +204,23 @@ class Registry:
             scopes.append(Scope(f"group {group!r}", self.config.groups[group].max_loaded, members))
         return scopes
 
-    # -- procman Listener ------------------------------------------------------------------------
+    # -- what procman tells ---------------------------------------------------------------------
 
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        if not self.is_current(backend):
+    def _transition(self, news: Transition) -> None:
+        if not self.is_current(news.name, news.generation):
             return
-        self.metrics.loaded.labels(backend.name).set(1 if new in LOADED else 0)
+        self.metrics.loaded.labels(news.name).set(1 if news.new in LOADED else 0)
         for state in State:
-            self.metrics.state.labels(backend.name, state.name.lower()).set(1 if state is new else 0)
+            self.metrics.state.labels(news.name, state.name.lower()).set(1 if state is news.new else 0)
 
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self.metrics.starts.labels(backend.name, reason, "ok" if ok else "failed").inc()
-        if ok:
-            self.metrics.cold_start.labels(backend.name).observe(duration_s)
+    def _started(self, news: Started) -> None:
+        self.metrics.starts.labels(news.name, news.reason, "ok" if news.ok else "failed").inc()
+        if news.ok:
+            self.metrics.cold_start.labels(news.name).observe(news.duration_s)
 
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        self.metrics.restarts.labels(backend.name, reason).inc()
+    def _restarted(self, news: Restarted) -> None:
+        self.metrics.restarts.labels(news.name, news.reason).inc()
 
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        if self.is_current(backend):
-            self.metrics.stops.labels(backend.name, reason).inc()
+    def _stopped(self, news: Stopped) -> None:
+        if self.is_current(news.name, news.generation):
+            self.metrics.stops.labels(news.name, news.reason).inc()

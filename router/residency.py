@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from modelserver.spec import ModelSpec
-from procman import Backend, BackendSpec, State
+from procman import Backend, BackendSpec, Evicted, State, Transition
 from procman.placement import Claim
 from router.memwatch import MemoryWatch, budgets_now
 from router.sizes import SizeStore
@@ -51,6 +51,8 @@ class Residency:
         self._task: asyncio.Task[None] | None = None
         self._changing: dict[str, asyncio.Lock] = {}  # one change of a model at a time
         self._retiring: set[asyncio.Task[None]] = set()  # old backends of rolling changes, draining
+        registry.manager.subscribe(Evicted, self._evicted)
+        registry.manager.subscribe(Transition, self._transition)
 
     # -- what procman's make_room reads ----------------------------------------------------------
 
@@ -104,29 +106,18 @@ class Residency:
             "rolling_error": self.rolling_errors.get(name),
         }
 
-    def on_evict(self, backend: Backend, target: str, reason: str) -> None:
-        size = self.claim(backend.name)
-        record = {"reason": reason, "for": target, "at": time.time(), "device": size.device,
+    def _evicted(self, news: Evicted) -> None:
+        size = self.claim(news.name)
+        record = {"reason": news.reason, "for": news.target, "at": time.time(), "device": size.device,
                   "size_bytes": size.size_bytes, "budget_bytes": self.budgets().get(size.device or "")}
-        self.evictions[backend.name] = record
-        self.registry.metrics.evictions.labels(reason).inc()
-        self._publish("evict", {"model": backend.name, **record})
+        self.evictions[news.name] = record
+        self.registry.metrics.evictions.labels(news.reason).inc()
+        self._publish("evict", {"model": news.name, **record})
 
-    # -- procman listener (beside the registry's) --------------------------------------------------
-
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        if new is State.READY and self.registry.is_current(backend):
+    def _transition(self, news: Transition) -> None:
+        if news.new is State.READY and self.registry.is_current(news.name, news.generation):
             self.watch.wake()  # measure a fresh process at once
         self.update_gauges()
-
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        pass
-
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        pass
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        pass
 
     def update_gauges(self) -> None:
         metrics = self.registry.metrics

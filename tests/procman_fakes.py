@@ -1,6 +1,6 @@
 """Fakes for procman unit tests: a clock whose time only moves when a test says so, a spawner
 of pretend processes, a prober that asks those processes whether they are healthy, and a
-listener that records what happened.
+recorder of procman's notices.
 
 Nothing here sleeps: ``FakeClock.sleep`` waits until ``advance`` moves time past its deadline.
 """
@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from procman import Address, Backend, BackendSpec, ProcessManager, State
+from procman import Address, Backend, BackendSpec, ProcessManager, Restarted, Started, State, Stopped, Transition
 
 T = TypeVar("T")
 
@@ -167,7 +167,7 @@ class FakeProber:
 
 
 class Recorder:
-    """A Listener that writes everything down."""
+    """Writes down every notice of a manager (:meth:`attach`)."""
 
     def __init__(self) -> None:
         self.transitions: list[tuple[str, State, State]] = []
@@ -176,19 +176,17 @@ class Recorder:
         self.stops: list[tuple[str, str]] = []
         self.backoffs: list[float | None] = []
 
-    def on_transition(self, backend: Backend, old: State, new: State) -> None:
-        self.transitions.append((backend.name, old, new))
-        if new is State.BACKOFF:
-            self.backoffs.append(backend.retry_after_s)
+    def attach(self, manager: ProcessManager) -> Recorder:
+        manager.subscribe(Transition, self.on_transition)
+        manager.subscribe(Started, lambda n: self.starts.append((n.name, n.reason, n.ok)))
+        manager.subscribe(Restarted, lambda n: self.restarts.append((n.name, n.reason)))
+        manager.subscribe(Stopped, lambda n: self.stops.append((n.name, n.reason)))
+        return self
 
-    def on_start(self, backend: Backend, reason: str, ok: bool, duration_s: float) -> None:
-        self.starts.append((backend.name, reason, ok))
-
-    def on_restart(self, backend: Backend, reason: str) -> None:
-        self.restarts.append((backend.name, reason))
-
-    def on_stop(self, backend: Backend, reason: str) -> None:
-        self.stops.append((backend.name, reason))
+    def on_transition(self, news: Transition) -> None:
+        self.transitions.append((news.name, news.old, news.new))
+        if news.new is State.BACKOFF:
+            self.backoffs.append(news.retry_after_s)
 
     def edges(self, name: str | None = None) -> list[tuple[State, State]]:
         return [(old, new) for n, old, new in self.transitions if name is None or n == name]
@@ -216,9 +214,9 @@ class Harness:
             prober=self.prober,
             clock=self.clock,
             sleep=self.clock.sleep,
-            listener=self.recorder,
             **manager_kw,
         )
+        self.recorder.attach(self.manager)
 
     def add(self, name: str = "m", **overrides: Any) -> Backend:
         return self.manager.add(fake_spec(name, **overrides))

@@ -25,6 +25,7 @@ from procman import (
     StartInterrupted,
     StartTimeout,
     State,
+    Transition,
 )
 from procman.process import READY_ENV, READY_PREFIX
 
@@ -61,7 +62,7 @@ async def test_concurrent_ensure_ready_share_one_start(h: Harness) -> None:
     async def before_start(backend: Backend) -> None:
         calls.append(backend.name)
 
-    h.manager.before_start = before_start
+    h.manager.add_before_start(before_start)
     backend = h.add()
     waiters = [asyncio.ensure_future(backend.ensure_ready()) for _ in range(5)]
     await h.clock.advance(2.0)
@@ -222,7 +223,7 @@ async def test_before_start_error_prevents_the_spawn(h: Harness) -> None:
     async def no_room(backend: Backend) -> None:
         raise BackendUnavailable("group gpu0 is full: 1 busy model")
 
-    h.manager.before_start = no_room
+    h.manager.add_before_start(no_room)
     backend = h.add()
     with pytest.raises(BackendUnavailable, match="gpu0 is full"):
         await backend.ensure_ready()
@@ -235,7 +236,7 @@ async def test_before_start_runs_once_per_cold_start(h: Harness) -> None:
     async def before_start(backend: Backend) -> None:
         calls.append(backend.state)
 
-    h.manager.before_start = before_start
+    h.manager.add_before_start(before_start)
     backend = h.add()
     await backend.ensure_ready()
     await backend.ensure_ready()
@@ -717,12 +718,11 @@ async def test_unload_during_a_cold_start_fails_the_waiter(h: Harness) -> None:
     assert caught.value.by == "unload" and backend.state is State.STOPPED and len(h.spawner.procs) == 1
 
 
-async def test_a_failing_listener_does_not_break_the_state_machine(h: Harness) -> None:
-    class Broken:
-        def on_transition(self, *args: object) -> None:
-            raise RuntimeError("metrics are down")
+async def test_a_failing_subscriber_does_not_break_the_state_machine(h: Harness) -> None:
+    def broken(news: Transition) -> None:
+        raise RuntimeError("metrics are down")
 
-    h.manager.listener = Broken()  # type: ignore[assignment]
+    h.manager.subscribe(Transition, broken)
     backend = h.add()
     await backend.ensure_ready()
     await backend.stop()

@@ -36,6 +36,7 @@ from procman import (
     RestartPolicy,
     StartFailed,
     State,
+    Transition,
 )
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -98,7 +99,8 @@ def recorder() -> Recorder:
 @pytest.fixture
 async def manager(tmp_path: Path, recorder: Recorder) -> AsyncIterator[ProcessManager]:
     low = random.randrange(30000, 39000, 50)
-    pm = ProcessManager(tmp_path / "rt", port_range=(low, low + 49), listener=recorder)
+    pm = ProcessManager(tmp_path / "rt", port_range=(low, low + 49))
+    recorder.attach(pm)
     yield pm
     pids = [b.pid for b in pm.backends.values() if b.pid is not None]
     await pm.shutdown()
@@ -211,14 +213,12 @@ async def test_crash_loop_backs_off_and_recovers_when_the_cause_is_gone(
     address = await backend.ensure_ready()
     marker.touch()
     spawned: list[float] = []
-    original = recorder.on_transition
 
-    def note(b: Backend, old: State, new: State) -> None:
-        if new is State.STARTING:
+    def note(news: Transition) -> None:
+        if news.new is State.STARTING:
             spawned.append(time.monotonic())
-        original(b, old, new)
 
-    recorder.on_transition = note  # type: ignore[method-assign]
+    manager.subscribe(Transition, note)
     await Server("standin").send_fault(address, "crash", timeout_s=10.0)
     await eventually(lambda: backend.failures >= 6, 60.0, "six failures in a row")
     assert recorder.backoffs[:6] == pytest.approx([0.0, 0.2, 0.4, 0.8, 0.8, 0.8], abs=0.02)

@@ -49,9 +49,8 @@ def recorder() -> Recorder:
 async def manager(
     tmp_path: Path, clock: FakeClock, spawner: FakeSpawner, recorder: Recorder
 ) -> AsyncIterator[ProcessManager]:
-    pm = ProcessManager(
-        tmp_path, spawner=spawner, prober=FakeProber(spawner), clock=clock, sleep=clock.sleep, listener=recorder
-    )
+    pm = ProcessManager(tmp_path, spawner=spawner, prober=FakeProber(spawner), clock=clock, sleep=clock.sleep)
+    recorder.attach(pm)
     yield pm
     await clock.run(pm.shutdown())
 

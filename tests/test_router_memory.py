@@ -1,6 +1,6 @@
 """Memory budgets and rolling changes over real fake-engine processes (``fake.memory_mb`` sizes them).
 
-Each eviction is checked when it happens (a procman listener): the victim is idle, the least
+Each eviction is checked when it happens (a subscriber of procman's notices): the victim is idle, the least
 recently used of the idle models old enough to go, and loaded at least ``min_residency_s``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from modelserver.spec import SPEC_ENV
-from procman import Backend, State
+from procman import Evicted, State
 from router.statustable import status_table
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
@@ -34,15 +34,16 @@ def sized(memory_mb: int, **extra: Any) -> dict[str, Any]:
 
 
 class EvictionCheck:
-    """A procman listener that checks every eviction against the policy at the moment it happens."""
+    """A subscriber of procman's Evicted notices that checks every eviction against the policy when it happens."""
 
     def __init__(self, router: RunningRouter) -> None:
         self.router = router
         self.evicted: list[str] = []
         self.problems: list[str] = []
 
-    def on_evict(self, backend: Backend, target: str, reason: str) -> None:
+    def check(self, news: Evicted) -> None:
         manager = self.router.service.registry.manager
+        backend, target = manager.backends[news.name], news.target
         now = manager._runtime.clock()
         claim = manager.claims(backend.name) if manager.claims else None
         self.evicted.append(backend.name)
@@ -77,7 +78,7 @@ async def three_of_four_loaded(tmp_path: Path, min_residency_s: float) -> AsyncI
     path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults=defaults)
     async with running_router(path) as router:
         check = EvictionCheck(router)
-        router.service.registry.manager.add_listener(check)
+        router.service.registry.manager.subscribe(Evicted, check.check)
         for name in "abc":
             assert await ask(router, name) == 200
         yield router, check
