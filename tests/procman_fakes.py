@@ -203,8 +203,8 @@ def fake_spec(name: str = "m", **overrides: Any) -> BackendSpec:
 class Harness:
     """A ProcessManager wired to fakes, for tests that want all of them at hand."""
 
-    def __init__(self, runtime_dir: Path, **manager_kw: Any) -> None:
-        self.clock = FakeClock()
+    def __init__(self, runtime_dir: Path, clock: FakeClock | None = None, **manager_kw: Any) -> None:
+        self.clock = clock or FakeClock()
         self.spawner = FakeSpawner()
         self.prober = FakeProber(self.spawner)
         self.recorder = Recorder()
