@@ -3,7 +3,9 @@
 Stdlib only, so ``modelserver/__main__.py`` can mark the moment the interpreter is up before
 anything heavy is imported. Marks are ``time.time()`` seconds (comparable across processes on
 one machine): ``process`` (the kernel's start time of this pid, Linux only), ``interpreter``
-(``__main__`` running), ``imports`` (``main()`` entered: the server's modules imported),
+(``__main__`` running; for a spare that took an assignment, ``process`` and ``interpreter`` are
+the moment of the assignment and ``spare`` its own start), ``imports`` (``main()`` entered: the
+server's modules imported),
 ``load_start`` / ``loaded`` (the engine's load, OpenVINO's import included; the engine's own
 ``load_s`` in ``/health`` is the pipeline construction within it), ``first_request`` (the
 first request handed the loaded engine).
@@ -21,7 +23,7 @@ import sys
 import threading
 import time
 
-__all__ = ["FAULT_DIR_ENV", "READY_ENV", "READY_PREFIX", "Readiness", "fault_log", "mark", "marks"]
+__all__ = ["FAULT_DIR_ENV", "READY_ENV", "READY_PREFIX", "Readiness", "fault_log", "mark", "marks", "restart"]
 
 #: A folder for the traceback of every thread on a fatal signal (SIGSEGV, SIGABRT...): the test suite sets it.
 FAULT_DIR_ENV = "OVROUTER_FAULT_DIR"
@@ -69,10 +71,21 @@ def mark(name: str) -> None:
     _MARKS.setdefault(name, time.time())
 
 
+def restart() -> None:
+    """A spare (``modelserver.spare``) took its assignment: its start counts from now, as a fresh process's
+    would (``process`` and ``interpreter`` now; ``spare`` keeps when the spare itself started)."""
+    started = _process_start()
+    _MARKS.clear()
+    now = time.time()
+    _MARKS.update({"process": now, "interpreter": now, "assigned": now})
+    if started is not None:
+        _MARKS["spare"] = started
+
+
 def marks() -> dict[str, float]:
     found = dict(_MARKS)
     started = _process_start()
-    if started is not None:
+    if started is not None and "process" not in found:
         found["process"] = started
     return found
 

@@ -27,6 +27,7 @@ from procman.policy import RestartPolicy, backoff_delay
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
 from procman.runtime import BeforeStart
+from procman.spare import SparePool, SpareSpec
 from procman.spawner import ProcessHandle, Spawner, SubprocessSpawner
 from procman.spec import BackendSpec, FrozenEnv
 from procman.states import ALLOWED, LOADED, State
@@ -59,6 +60,8 @@ __all__ = [
     "Restarted",
     "Room",
     "Scope",
+    "SparePool",
+    "SpareSpec",
     "Spawner",
     "StartFailed",
     "Started",

@@ -19,6 +19,7 @@ from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, 
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
 from procman.runtime import BeforeStart, Runtime, Sleep
+from procman.spare import SparePool
 from procman.spawner import Spawner, SubprocessSpawner, Where
 from procman.spec import BackendSpec
 from procman.states import State
@@ -109,6 +110,10 @@ class ProcessManager:
         self._change = asyncio.Event()
         self._room_waiters = 0
         self._room_waits: dict[str, str] = {}  # written only by make_room: model -> why its start waits
+        #: spare interpreters (a SparePool as the spawner): counted as holders, stopped first for room
+        self.spares = spawner if isinstance(spawner, SparePool) else None
+        if self.spares is not None:
+            self.spares.fits, self.spares.demand, self.spares.on_change = self._spare_fits, self._cold, self._signal
 
     # -- observers ------------------------------------------------------------------------------
 
@@ -145,6 +150,8 @@ class ProcessManager:
 
     async def shutdown(self) -> None:
         """Stop every backend at once (no drain), bounded; whatever outlives the bound is SIGKILLed."""
+        if self.spares is not None:
+            await self.spares.close()
         backends = [*self._backends.values(), *self._extra.values()]
         self._backends.clear()
         self._extra.clear()
@@ -179,7 +186,23 @@ class ProcessManager:
         """What holds memory on each device: loaded backends, and both processes of a rolling change."""
         holders = [self._holder(name, backend, name in self._evicting) for name, backend in self._held()]
         holders += [self._holder(key, backend, not key.endswith(NEW)) for key, backend in self._extra.items()]
-        return holders
+        return holders + self.spares.holders() if self.spares is not None else holders
+
+    def _spare_fits(self, device: str | None, size_bytes: int) -> bool:
+        """One more spare interpreter fits: no start waits for room, and the device's budget has its bytes."""
+        if self._waiting:
+            return False
+        figures = self.memory().get(device or "")
+        return figures is None or figures["used_bytes"] + size_bytes <= figures["budget_bytes"]
+
+    def _cold(self, serves: Sequence[str]) -> tuple[int, int]:
+        """Backends running a command that starts with ``serves``: how many are not running (a cold start
+        ahead), and how many are starting."""
+        prefix = tuple(serves)
+        states = [b.state for b in self._backends.values()
+                  if b.spec.argv is not None and b.spec.argv[:len(prefix)] == prefix]
+        starting = states.count(State.STARTING)
+        return len(states) - starting - states.count(State.READY), starting
 
     def _held(self) -> Iterator[tuple[str, Backend]]:
         for name in self._holding:
@@ -410,6 +433,9 @@ class ProcessManager:
         return next((key for key, extra in self._extra.items() if extra is backend), None)
 
     def _evict(self, victim: str, target: str, reason: str) -> None:
+        if self.spares is not None and self.spares.owns(victim):
+            self.spares.evict(victim)
+            return
         backend = self._backends.get(victim)
         if backend is None or victim in self._evicting:
             return
@@ -433,6 +459,8 @@ class ProcessManager:
                 self._holding.discard(backend.name)
                 self._evicting.discard(backend.name)
                 self._placed.pop(backend.name, None)
+                if self.spares is not None:
+                    self.spares.nudge()  # a cold start may come: keep a spare for it
             elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
                 self._holding.add(backend.name)
         elif self._extra and (state is State.STOPPED or state is State.BACKOFF):  # a rolling change's old process

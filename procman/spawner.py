@@ -182,9 +182,21 @@ class SubprocessSpawner:
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback
     ) -> SubprocessHandle:
+        return await self._create(argv, env, cwd, on_line, asyncio.subprocess.DEVNULL)
+
+    async def spawn_fed(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback
+    ) -> SubprocessHandle:
+        """Like :meth:`spawn`, with a pipe to the process's stdin (:meth:`SubprocessHandle.feed`): a spare
+        (:mod:`procman.spare`) waits on it for its assignment, and exits at its end (the router gone)."""
+        return await self._create(argv, env, cwd, on_line, asyncio.subprocess.PIPE)
+
+    async def _create(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, on_line: LineCallback, stdin: int
+    ) -> SubprocessHandle:
         proc = await asyncio.create_subprocess_exec(
             *argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=stdin,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=dict(env),
@@ -202,8 +214,28 @@ class SubprocessHandle:
     def __init__(self, proc: asyncio.subprocess.Process, on_line: LineCallback, groups: GroupWatch) -> None:
         self._proc = proc
         self._groups = groups
+        self._on_line = on_line
         assert proc.stdout is not None
-        self._pump = asyncio.get_running_loop().create_task(_pump_lines(proc.stdout, on_line))
+        self._pump = asyncio.get_running_loop().create_task(_pump_lines(proc.stdout, self._line))
+
+    def _line(self, line: str) -> None:
+        self._on_line(line)
+
+    def redirect(self, on_line: LineCallback) -> None:
+        """From the next line on, the output goes to ``on_line`` (a spare handed over to its backend)."""
+        self._on_line = on_line
+
+    def feed(self, data: bytes) -> None:
+        """Write ``data`` to the stdin pipe of a :meth:`SubprocessSpawner.spawn_fed` process and close it."""
+        stdin = self._proc.stdin
+        if stdin is None:
+            raise RuntimeError(f"pid {self.pid} has no stdin pipe")
+        stdin.write(data)
+        stdin.close()  # what is buffered is still written
+
+    async def exited(self) -> int:
+        """Wait for the exit without the cleanup of :meth:`wait` (whoever owns the process calls that once)."""
+        return await self._proc.wait()
 
     @property
     def pid(self) -> int:

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from modelserver.spec import SPEC_ENV, ModelSpec, fields_for
-from procman import BackendSpec, RestartPolicy
-from router.config import RouterSettings
+from procman import BackendSpec, RestartPolicy, SpareSpec
+from procman.process import READY_ENV, TOKEN_ENV
+from router.config import Config, RouterSettings
 
-__all__ = ["backend_spec", "supervision"]
+__all__ = ["backend_spec", "spare_spec", "supervision"]
+
+#: The command every model server starts with; a spare interpreter runs it with ``--spare``.
+MODELSERVER = (sys.executable, "-m", "modelserver")
 
 #: BackendSpec and RestartPolicy fields, filled from the ModelSpec settings tagged ``supervisor``.
 _BACKEND_FIELDS = frozenset(f.name for f in dataclasses.fields(BackendSpec))
@@ -29,7 +35,7 @@ def supervision(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _modelserver_argv(spec: ModelSpec, router: RouterSettings, config_path: Path | None) -> tuple[str, ...]:
-    argv = [sys.executable, "-m", "modelserver", "--model", spec.name]
+    argv = [*MODELSERVER, "--model", spec.name]
     if config_path is not None:
         argv += ["--config", str(config_path)]
     if _transport(spec, router) == "uds":
@@ -69,3 +75,34 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
         announces_ready=spec.launches_modelserver,  # readiness over the output pipe, not found by polling
         **supervision(spec),
     )
+
+
+def spare_spec(config: Config) -> SpareSpec | None:
+    """The spare interpreters of ``router.spare_interpreters`` (none on an engine with nodes): processes that
+    become any model server of this config, started in the folder and environment its model servers get."""
+    router = config.router
+    if router.spare_interpreters <= 0 or router.engine.kind != "local":
+        return None
+    return SpareSpec(
+        argv=(*MODELSERVER, "--spare"),
+        serves=MODELSERVER,
+        count=router.spare_interpreters,
+        cwd=str(config.path.parent) if config.path is not None else None,  # backend_spec's cwd
+        late_env=frozenset({SPEC_ENV, READY_ENV, TOKEN_ENV}),  # read by the server once assigned
+        watch=(sys.executable, *_package_dirs("openvino", "openvino_genai", "uvicorn", "starlette")),
+        watch_trees=tuple(_package_dirs("modelserver")),
+        device="CPU",
+    )
+
+
+def _package_dirs(*names: str) -> list[str]:
+    """The folders of installed packages, found without importing them (the router never loads OpenVINO)."""
+    found = []
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            found.append(os.path.dirname(spec.origin))
+    return found

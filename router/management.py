@@ -86,6 +86,7 @@ def management_routes(service: RouterService) -> list[Route]:
             "last_reload": service.last_reload,
             "models": {row["name"]: str(row["state"]).lower() for row in service.models_table()},
             "memory": service.registry.manager.memory(),  # per budgeted device: budget_bytes, used_bytes
+            "spares": spares.snapshot() if (spares := service.registry.manager.spares) is not None else None,
             "devices": service.devices.snapshot(),
         })
 

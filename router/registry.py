@@ -21,14 +21,16 @@ from procman import (
     ProcessManager,
     Restarted,
     Scope,
+    SparePool,
     Started,
     State,
     Stopped,
+    SubprocessSpawner,
     Transition,
 )
 from router.config import Config, missing_paths
 from router.lane import SuspectLane
-from router.launch import backend_spec
+from router.launch import backend_spec, spare_spec
 from router.limits import MIB, BodyBudget, Limiter
 from router.metrics import Metrics
 from router.reload import ConfigDiff, diff
@@ -49,7 +51,8 @@ def _manager(config: Config) -> ProcessManager:
         spawner = RaySpawner(router.engine.address, router.engine.namespace)
         return ProcessManager(Path(router.state_dir), port_range=router.port_range, spawner=spawner,
                               cluster=spawner.nodes)
-    return ProcessManager(Path(router.state_dir), port_range=router.port_range)
+    spares = SparePool(SubprocessSpawner(), spare_spec(config))  # count 0: every spawn goes straight through
+    return ProcessManager(Path(router.state_dir), port_range=router.port_range, spawner=spares)
 
 
 @dataclass(slots=True)
@@ -125,6 +128,11 @@ class Registry:
         router = self.config.router
         self.bodies.configure(int(router.max_buffered_body_mb * MIB), router.body_wait_s, self.max_body_bytes)
 
+    def start_spares(self) -> None:
+        """Keep ``router.spare_interpreters`` ready from now on (from the event loop: they die with it)."""
+        if self.manager.spares is not None:
+            self.manager.spares.start()
+
     def start_preloads(self, names: Iterable[str] | None = None) -> None:
         for name in self.models if names is None else names:
             model = self.models[name]
@@ -157,6 +165,8 @@ class Registry:
         router-only changes (aliases, limits) apply in place, unchanged ones are not touched."""
         old, self.config = self.config, new
         changes = diff(old.models, new.models)
+        if self.manager.spares is not None:
+            self.manager.spares.configure(spare_spec(new))  # different settings retire the spares
         for name in changes.removed:
             self.models.pop(name)
             self.metrics.forget(name)

@@ -93,6 +93,7 @@ class RouterService:
 
     async def start(self) -> None:
         self.registry.residency.start()
+        self.registry.start_spares()
         self.registry.start_preloads()
         path = self.config.path
         if path is not None and self.config.router.watch:

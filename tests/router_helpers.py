@@ -34,7 +34,8 @@ def fake_model(**overrides: Any) -> dict[str, Any]:
 def write_config(directory: Path, models: dict[str, Any], router: dict[str, Any] | None = None,
                  defaults: dict[str, Any] | None = None, groups: dict[str, Any] | None = None) -> Path:
     data: dict[str, Any] = {
-        "router": {"state_dir": str(directory / "state"), "watch": False, **(router or {})},
+        # no spare interpreter unless a test asks (each imports openvino: ~1 s of CPU per router on this box)
+        "router": {"state_dir": str(directory / "state"), "watch": False, "spare_interpreters": 0, **(router or {})},
         "defaults": {"health_interval_s": 1, "startup_timeout_s": 120, "stop_timeout_s": 3, **(defaults or {})},
         "models": models,
     }
