@@ -5,26 +5,25 @@ them and stops them first, and none outlives the manager or a SIGKILLed router."
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 import procman.spare
-from procman import Address, BackendSpec, HttpProber, ProcessManager, SparePool, SpareSpec, State, SubprocessSpawner
+from procman import BackendSpec, HttpProber, ProcessManager, SparePool, SpareSpec, State, SubprocessSpawner
 from procman.placement import Claim
 from procman.process import READY_ENV
 from tests.modelserver_helpers import free_port
 from tests.router_helpers import fake_model, write_config
+from tests.test_procman_real import NeverReady, eventually, gone
 from tests.test_router_process import router_process
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -43,28 +42,6 @@ def spare_spec(real: bool = False, **fields: Any) -> SpareSpec:
 def fake(name: str, **fields: Any) -> BackendSpec:
     return BackendSpec(name=name, argv=(*MODELSERVER, "--engine", "fake", "--name", name, "--uds", "${SOCKET}"),
                        cwd=str(ROOT), announces_ready=True, startup_timeout_s=60.0, health_interval_s=0.0, **fields)
-
-
-class NeverReady:
-    """A prober that never sees a 200: only the process's own announcement can end its start."""
-
-    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
-        return False
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def ready_pids(pool: SparePool) -> list[int]:
