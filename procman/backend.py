@@ -42,6 +42,7 @@ from procman.errors import (
 from procman.logbuffer import LogBuffer
 from procman.machine import FAILURE_REASONS, Counters
 from procman.notices import Restarted, Started, Stopped, Transition
+from procman.prober import Health
 from procman.runtime import Runtime
 from procman.spec import BackendSpec
 from procman.states import ALLOWED, State
@@ -87,6 +88,8 @@ class Backend:
         self._settling: list[asyncio.Future[Any]] = []
         self._start_error: BackendUnavailable | None = None
         self._start_began = 0.0
+        self.last_load_s: float | None = None  # how long the last successful start took (written by _notify)
+        self._ready: asyncio.Future[None] | None = None  # handed out by ready(), done by _set_state
         self._abort: asyncio.Event | None = None
         self._helpers: dict[str, asyncio.Task[Any]] = {}
         self._kill_why: tuple[int | None, str] | None = None  # (generation, why) of a restart the caller explained
@@ -132,6 +135,34 @@ class Backend:
     @property
     def closed(self) -> bool:
         return self.counters.closed
+
+    @property
+    def last_health(self) -> Health | None:
+        """The current process's last answer to a health probe (status, JSON body, when), from procman's own
+        probes (readiness, then the health watch): read it instead of asking the process again."""
+        return self._running.health if self._running is not None else None
+
+    @property
+    def load_began(self) -> float | None:
+        """When (runtime clock) the start in progress began; None unless STARTING."""
+        return self._start_began if self.state is State.STARTING else None
+
+    def loading_for_s(self) -> float | None:
+        """Seconds since the start in progress began (runtime clock); None unless STARTING."""
+        return self._rt.clock() - self._start_began if self.state is State.STARTING else None
+
+    def ready(self) -> asyncio.Future[None]:
+        """Done once the backend is READY (at once when it is): await it instead of polling ``state``.
+
+        Never fails and never starts anything: a start that fails leaves it pending until a later start
+        succeeds (``ensure_ready`` is what starts, and says why a start failed). Cancel-safe: shielded."""
+        if self.state is State.READY:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_future()
+        return asyncio.shield(self._ready)
 
     def is_idle(self) -> bool:
         """READY with nothing in flight: what idle stop and eviction may stop."""
@@ -454,6 +485,11 @@ class Backend:
             raise InvalidTransition(f"{self.name}: {old.name}->{new.name} is not an allowed transition")
         self.state = new
         self.state_since = self._rt.clock()
+        if new is State.STARTING:
+            self._start_began = self.state_since
+        elif new is State.READY and self._ready is not None:
+            ready, self._ready = self._ready, None
+            ready.set_result(None)
         log.info("%s %s->%s pid=%s", self.name, old.name, new.name, self.pid)
         self._rt.publish(Transition(self.name, old, new, self.pid, self.counters.reason or None, self.generation,
                                     self.last_error, self.started_at, self.retry_after_s))
@@ -560,8 +596,10 @@ class Backend:
         if effect.what == "start":
             self.starts += effect.ok
             error = None if effect.ok else str(self._start_error or "start failed")
-            self._rt.publish(Started(self.name, effect.reason, effect.ok, self._rt.clock() - self._start_began,
-                                     self.generation, self.pid, error))
+            duration_s = self._rt.clock() - self._start_began
+            if effect.ok:
+                self.last_load_s = duration_s
+            self._rt.publish(Started(self.name, effect.reason, effect.ok, duration_s, self.generation, self.pid, error))
         elif effect.what == "restart":
             self.restarts += 1
             self._rt.publish(self.restarted(effect.reason))

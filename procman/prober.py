@@ -1,52 +1,84 @@
-"""Asking a backend whether it is ready: one ``GET <health_path>`` (or ``HEAD``), 200 or not.
+"""Asking a backend whether it is ready: one ``GET <health_path>`` (or ``HEAD``), its status and body.
 
 The real prober speaks just enough HTTP/1.1 over an asyncio stream (Unix socket or TCP,
-TLS for an ``https`` remote) to read the status line; it needs no client session to keep
-or close, and a hung server costs one bounded timeout.
+TLS for an ``https`` remote) to read the status line and a bounded body; it needs no
+client session to keep or close, and a hung server costs one bounded timeout.
+
+The probes procman sends (readiness while STARTING, the health watch while READY) are the
+only ones: the last answer of each process is kept as a :class:`Health` (its parsed JSON
+body and when it came) that everybody else reads (``Backend.last_health``) instead of
+asking the backend again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import ssl
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from procman.address import Address
 
-__all__ = ["HttpProber", "Prober"]
+__all__ = ["Answer", "Health", "HttpProber", "Prober", "health_of"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 65536
 
 
-class Prober(Protocol):
-    """Health checks; must never raise for an unhealthy or unreachable backend, only return False."""
+#: An answer to a probe: the HTTP status and the body (bounded); None when nothing answered in time.
+Answer = tuple[int, bytes]
 
-    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool: ...
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The last answer of a backend to a health probe: ``status``, ``body`` (its JSON object; None when the
+    body is not one) and ``at`` (the runtime's clock when it came)."""
+
+    status: int
+    body: Mapping[str, Any] | None
+    at: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def health_of(answer: Answer, at: float) -> Health:
+    """``answer`` as a :class:`Health`: its body parsed when it is a JSON object."""
+    status, raw = answer
+    try:
+        body = json.loads(raw) if raw else None
+    except (ValueError, RecursionError):
+        body = None
+    return Health(status, body if isinstance(body, dict) else None, at)
+
+
+class Prober(Protocol):
+    """Health checks; must never raise for an unhealthy or unreachable backend, only return None."""
+
+    async def check(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> Answer | None: ...
 
 
 class HttpProber:
-    """``GET path`` (or ``HEAD``) on the backend; True only for a 200 within ``timeout_s``."""
+    """``GET path`` (or ``HEAD``) on the backend: its status and body within ``timeout_s``, or None."""
 
-    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
+    async def check(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> Answer | None:
         try:
-            status = (await asyncio.wait_for(self._fetch(address, path, method), timeout_s))[0]
+            return await asyncio.wait_for(self._fetch(address, path, method), timeout_s)
         except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
             log.debug("probe %s%s failed: %s", address, path, exc or type(exc).__name__)
-            return False
-        return status == 200
+            return None
 
-    async def status(self, address: Address, path: str) -> int:
-        """The HTTP status of ``GET path``; raises OSError/ValueError when there is no answer."""
-        return (await self._fetch(address, path))[0]
-
-    async def fetch(self, address: Address, path: str, timeout_s: float) -> tuple[int, bytes]:
-        """(status, body) of ``GET path`` (body up to MAX_BODY_BYTES); raises OSError/ValueError/TimeoutError."""
-        return await asyncio.wait_for(self._fetch(address, path), timeout_s)
+    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
+        """True only for a 200 within ``timeout_s``."""
+        answer = await self.check(address, path, timeout_s, method)
+        return answer is not None and answer[0] == 200
 
     async def _fetch(self, address: Address, path: str, method: str = "GET") -> tuple[int, bytes]:
         reader, writer, host, prefix = await _connect(address)

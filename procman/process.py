@@ -21,6 +21,7 @@ from typing import Any, Literal
 from procman.address import Address, is_address_clash
 from procman.errors import BackendUnavailable, StartFailed, StartTimeout
 from procman.logbuffer import LogBuffer
+from procman.prober import Health, health_of
 from procman.runtime import Runtime
 from procman.spawner import LineCallback, ProcessHandle, Where
 from procman.spec import BackendSpec, substitute
@@ -69,6 +70,7 @@ class Running:
     log_mark: int = 0
     node: str | None = None  # the node's short name (an engine with nodes); None: this machine
     announced: asyncio.Future[None] | None = None  # done when the process printed its readiness line
+    health: Health | None = None  # its last answer to a probe (written only by the probes below)
 
     @property
     def pid(self) -> int | None:
@@ -127,12 +129,13 @@ async def launch(
 async def _reach_remote(rt: Runtime, spec: BackendSpec) -> Running:
     assert spec.url is not None
     address = Address(kind="tcp", url=spec.url)
-    if not await _probe(rt, spec, address, spec.health_timeout_s):
+    health = await _probe(rt, spec, address, spec.health_timeout_s)
+    if health is None or not health.ok:
         raise BackendUnavailable(
             f"{spec.name}: remote {address.base_url}{spec.health_path} did not answer 200 within "
             f"{spec.health_timeout_s:g}s; check that the server is up and the url is right"
         )
-    return Running(address=address, handle=None, exited=asyncio.get_running_loop().create_future())
+    return Running(address=address, handle=None, exited=asyncio.get_running_loop().create_future(), health=health)
 
 
 def child_command(spec: BackendSpec, address: Address, inherit: bool = True) -> tuple[list[str], dict[str, str]]:
@@ -211,7 +214,7 @@ async def _wait_ready(rt: Runtime, spec: BackendSpec, running: Running, logs: Lo
             pending.append(probe)
             await _first((probe, *watched))
             _check_alive(spec, running, logs, aborted)
-            if _is_done(announced) or _probe_ok(spec, probe):
+            if _is_done(announced) or _probe_ok(spec, probe, running):
                 return
             if deadline - rt.clock() <= 0:
                 raise _timeout(spec, running, logs)
@@ -244,20 +247,24 @@ def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: 
         raise Aborted(running)
 
 
-async def _probe(rt: Runtime, spec: BackendSpec, address: Address, timeout_s: float) -> bool:
-    """One health probe with the spec's method (a prober that predates ``method`` still serves GET)."""
-    if spec.health_method == "GET":
-        return await rt.prober.probe(address, spec.health_path, timeout_s)
-    return await rt.prober.probe(address, spec.health_path, timeout_s, method=spec.health_method)
+async def _probe(rt: Runtime, spec: BackendSpec, address: Address, timeout_s: float) -> Health | None:
+    """One health probe with the spec's method: the answer, or None when there was none in time."""
+    answer = await rt.prober.check(address, spec.health_path, timeout_s, spec.health_method)
+    return None if answer is None else health_of(answer, rt.clock())
 
 
-def _probe_ok(spec: BackendSpec, probe: asyncio.Future[Any]) -> bool:
+def _probe_ok(spec: BackendSpec, probe: asyncio.Future[Any], running: Running) -> bool:
+    """Whether the finished ``probe`` got a 200; an answer (any status) becomes ``running.health``."""
     if probe.cancelled():
         return False
     if (error := probe.exception()) is not None:
         log.error("%s: the prober raised %r; counting it as a failed probe", spec.name, error)
         return False
-    return bool(probe.result())
+    health: Health | None = probe.result()
+    if health is None:
+        return False
+    running.health = health
+    return health.ok
 
 
 def _timeout(spec: BackendSpec, running: Running, logs: LogBuffer) -> StartTimeout:
@@ -301,15 +308,19 @@ async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Runnin
 
     ``current()`` gives the settings of each round, so a retune applies to the next probe.
     ``health_interval_s`` 0: no probe while READY (for servers that a probe disturbs), only the exit.
+    A process whose readiness ended without a 200 probe (it announced it) is probed at once, so its
+    ``health`` (what the router shows and measures) is the ready process's from the start.
     """
     failed = 0
+    first = running.health is None or not running.health.ok
     while True:
         spec = current()
         if spec.health_interval_s <= 0:
             await asyncio.wait({running.exited})  # never cancels it; a retune restarts this watch
             return "crash"
-        if await rt.wait_done(running.exited, spec.health_interval_s):
+        if not first and await rt.wait_done(running.exited, spec.health_interval_s):
             return "crash"
+        first = False
         probe = asyncio.ensure_future(_probe(rt, spec, running.address, spec.health_timeout_s))
         try:
             await _first((probe, running.exited))
@@ -317,7 +328,7 @@ async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Runnin
             probe.cancel()
         if running.exited.done():
             return "crash"
-        failed = 0 if _probe_ok(spec, probe) else failed + 1
+        failed = 0 if _probe_ok(spec, probe, running) else failed + 1
         if failed:
             log.warning("%s health probe failed (%d of %d)", spec.name, failed, spec.health_failures)
         if failed >= spec.health_failures:

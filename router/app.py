@@ -96,7 +96,7 @@ def _routes(service: RouterService, client_api: ClientApi) -> list[BaseRoute]:
 
     async def metrics(request: Request) -> Response:
         check_key(credential_of(request.headers), service.config.router.effective_admin_keys, "admin_keys")
-        await service.console.refresh()
+        service.console.refresh()
         exposition = service.metrics.render(service.config.router.metrics_names)
         return Response(exposition, media_type="text/plain; version=0.0.4")
 

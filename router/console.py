@@ -7,8 +7,9 @@ it hears on its :class:`~router.events.EventBus` (``state``, ``loading``, ``load
 the figures that ``/api/models``, ``/api/events``, ``/ui`` and ``ovrouter status`` show:
 RSS of the process (``/proc``), uptime, restarts by reason, the reason of the last
 start/stop/restart, the last load time, requests/min, TTFT p50, tokens/s, a sparkline,
-and what the model server reports in its ``/health`` answer (running generations, KV-cache
-usage, scheduled requests, device memory).
+and what the model server reported in its last ``/health`` answer (running generations, KV-cache
+usage, scheduled requests, device memory) — the answer procman's health probes keep
+(``Backend.last_health``); the console asks the model servers nothing itself.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import signal
 import threading
@@ -41,18 +41,15 @@ EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 log = logging.getLogger(__name__)
 
 LOADING_TICK_S = 1.0
-HEALTH_TIMEOUT_S = 2.0
 
 
 class Console:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.bus: EventBus = service.events
-        self.load_s: dict[str, float] = {}
         self.last_reason: dict[str, str] = {}
         self.restarts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.reported: dict[str, dict[str, Any]] = {}  # the last /health answer of each model server
-        self.activity = Activity(service.metrics, self.bus, self.load_s.get)
+        self.activity = Activity(service.metrics, self.bus, self.last_load_s)
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._closing: asyncio.Event | None = None
         manager = service.registry.manager
@@ -71,13 +68,10 @@ class Console:
             self._loading[news.name] = asyncio.ensure_future(self._loading_ticks(news.name))
         elif news.new is not State.STARTING and (task := self._loading.pop(news.name, None)) is not None:
             task.cancel()
-        if news.new is State.STOPPED:
-            self.reported.pop(news.name, None)
 
     def _started(self, news: Started) -> None:
         self.last_reason[news.name] = f"start:{news.reason}" if news.ok else f"failed start:{news.reason}"
         if news.ok:
-            self.load_s[news.name] = news.duration_s
             self.service.metrics.load_seconds.labels(news.name).set(news.duration_s)
         self.bus.publish("loaded", {"model": news.name, "ok": news.ok, "reason": news.reason,
                                     "duration_s": round(news.duration_s, 3), "last_error": news.last_error})
@@ -104,14 +98,31 @@ class Console:
         })
 
     async def _loading_ticks(self, name: str) -> None:
-        began = time.monotonic()
+        """A ``loading`` event every second of a start of ``name``, until it is READY (or the start ends)."""
+        model = self.service.registry.models.get(name)
+        if model is None:
+            return
+        backend = model.backend
+        ready = backend.ready()
         with contextlib.suppress(asyncio.CancelledError):
-            while (model := self.service.registry.models.get(name)) is not None and (
-                    model.backend.state is State.STARTING):
-                self.bus.publish("loading", {"model": name, "elapsed_s": round(time.monotonic() - began, 1),
-                                             "estimate_s": _round(self.load_s.get(name))})
-                await asyncio.sleep(LOADING_TICK_S)
+            while not ready.done() and (elapsed_s := backend.loading_for_s()) is not None:
+                self.bus.publish("loading", {"model": name, "elapsed_s": round(elapsed_s, 1),
+                                             "estimate_s": _round(backend.last_load_s)})
+                await asyncio.wait({ready}, timeout=LOADING_TICK_S)
+        ready.cancel()
         self._loading.pop(name, None)
+
+    def last_load_s(self, name: str) -> float | None:
+        """How long the last successful start of model ``name`` took (procman measured it)."""
+        model = self.service.registry.models.get(name)
+        return model.backend.last_load_s if model is not None else None
+
+    def reported(self, name: str) -> dict[str, Any]:
+        """The figures of model ``name``'s last ``/health`` answer (procman's probe kept it) the console shows."""
+        model = self.service.registry.models.get(name)
+        health = model.backend.last_health if model is not None and model.spec.launches_modelserver else None
+        body = health.body if health is not None and health.body is not None else {}
+        return {k: v for k, v in body.items() if k in BACKEND_GAUGES or k == "pipeline"}
 
     # -- long-lived streams end when the server shuts down ------------------------------------
 
@@ -182,8 +193,8 @@ class Console:
             "uptime_s": round(now - started, 1) if started and str(row.get("state")).lower() == "ready" else None,
             "restarts_by_reason": dict(self.restarts.get(name, {})),
             "last_reason": self.last_reason.get(name),
-            "last_load_s": _round(self.load_s.get(name)),
-            "reported": self.reported.get(name, {}),
+            "last_load_s": _round(self.last_load_s(name)),
+            "reported": self.reported(name),
         }
         figures.update(stats.figures(now) if stats else {"requests_per_min": 0, "ttft_p50_s": None,
                                                           "tokens_per_s": None, "errors_5m": 0, "sparkline": []})
@@ -194,38 +205,17 @@ class Console:
             row.update(self.figures(row["name"], row))
         return rows
 
-    async def refresh(self) -> None:
-        """Memory gauges from /proc and each ready model server's /health figures (bounded, concurrent)."""
-        models = self.service.registry.models
-        await asyncio.gather(*(self._ask_health(name) for name, m in models.items()
-                               if m.spec.launches_modelserver and m.backend.state is State.READY))
+    def refresh(self) -> None:
+        """Memory gauges from /proc and the figures of each model server's last /health answer (no I/O to them)."""
         metrics = self.service.metrics
-        for name, model in models.items():
+        for name, model in self.service.registry.models.items():
             rss = process_memory_bytes(model.backend.pid) if model.backend.state is not State.STOPPED else None
             metrics.rss.labels(name).set(rss or 0)
-            reported = self.reported.get(name, {})
+            reported = self.reported(name)
             for key, gauge in metrics.backend.items():
                 value = reported.get(key)
                 if isinstance(value, int | float):
                     gauge.labels(name).set(value)
-
-    async def _ask_health(self, name: str) -> None:
-        model = self.service.registry.models.get(name)
-        address = model.backend.address if model else None
-        if address is None:
-            return
-        try:
-            ask = self.service.pool.request(address, "GET", "/health", [], b"", HEALTH_TIMEOUT_S)
-            resp = await asyncio.wait_for(ask, HEALTH_TIMEOUT_S)
-            try:
-                body = json.loads(await resp.read(HEALTH_TIMEOUT_S))
-            finally:
-                resp.close()
-        except Exception as exc:  # a busy or dying backend: keep the last figures
-            log.debug("health figures of %s unavailable: %s", name, exc)
-            return
-        if isinstance(body, dict):
-            self.reported[name] = {k: v for k, v in body.items() if k in BACKEND_GAUGES or k == "pipeline"}
 
 
 def _round(value: float | None) -> float | None:

@@ -48,6 +48,12 @@ HEAD = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
         (b"x-accel-buffering", b"no")]
 
 
+async def _done_within(future: asyncio.Future[None], timeout_s: float) -> bool:
+    """Whether ``future`` is done within ``timeout_s`` (it is never cancelled here)."""
+    await asyncio.wait({future}, timeout=timeout_s)
+    return future.done()
+
+
 def _wants_stream(body: bytes) -> bool:
     data = json_or_none(body)  # an /upstream body is read raw: bounded here
     return isinstance(data, dict) and data.get("stream") is True
@@ -94,15 +100,19 @@ class Feedback:
                 await self.send({"type": "http.response.start", "status": 200, "headers": HEAD})
                 self.head_sent = True
                 await self.send({"type": "http.response.body", "body": self.opening, "more_body": True})
-        while True:
-            await asyncio.sleep(TICK_S)
-            if self.model.backend.state is State.READY:
-                return  # loaded: the request is on its way upstream; waiting for its answer is not loading
-            async with self._lock:
-                if not self.head_sent:
-                    await self.send({"type": "http.response.start", "status": 200, "headers": HEAD})
-                    self.head_sent = True
-                await self.send({"type": "http.response.body", "body": self._event(self.text()), "more_body": True})
+        ready = self.model.backend.ready()
+        try:
+            while not await _done_within(ready, TICK_S):
+                await self._send_tick()
+        finally:
+            ready.cancel()  # loaded: the request is on its way upstream; waiting for its answer is not loading
+
+    async def _send_tick(self) -> None:
+        async with self._lock:
+            if not self.head_sent:
+                await self.send({"type": "http.response.start", "status": 200, "headers": HEAD})
+                self.head_sent = True
+            await self.send({"type": "http.response.body", "body": self._event(self.text()), "more_body": True})
 
     def _event(self, text: str) -> bytes:
         event = self.framing.tick(text)

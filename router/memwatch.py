@@ -1,10 +1,12 @@
 """Measuring the loaded models: their ``/health`` memory report into the :class:`~router.sizes.SizeStore`.
 
 Every :data:`SAMPLE_INTERVAL_S`, and at once when a model becomes READY (:meth:`MemoryWatch.wake`),
-each READY model server is asked ``GET /health`` and its ``memory`` object is recorded (see
-:mod:`modelserver.memory`). A ``command:`` backend reports nothing of the kind: its peak RSS
-is read from ``/proc/<pid>/status`` (``VmHWM``, Linux; its own process, not children it
-spawned) unless it declares ``memory_mb``. A remote ``url:`` backend is never measured.
+the ``memory`` object of each READY model server's last ``/health`` answer is recorded (see
+:mod:`modelserver.memory`). The router asks nothing itself: procman's own health probes keep that
+answer (``Backend.last_health``; every ``health_interval_s`` while READY, and once at READY), so a
+model server sees one ``/health`` poll, not one per observer. A ``command:`` backend reports
+nothing of the kind: its peak RSS is read from ``/proc/<pid>/status`` (``VmHWM``, Linux; its own
+process, not children it spawned) unless it declares ``memory_mb``. A remote ``url:`` backend is never measured.
 
 :func:`budgets_now` turns ``router.memory_budget`` into bytes per device with what is known
 now (physical memory, the GPU totals the model servers reported).
@@ -14,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from modelserver.spec import ModelSpec
-from procman import Backend, HttpProber, State
+from procman import Backend, State
 from router.budget import budget_device, physical_memory_bytes, process_memory_bytes, resolve_budget
 from router.sizes import SizeStore
 
@@ -28,9 +29,8 @@ __all__ = ["SAMPLE_INTERVAL_S", "MemoryWatch", "budgets_now", "peak_rss_of"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two measurements of the loaded models.
-SAMPLE_INTERVAL_S = 5.0
-HEALTH_TIMEOUT_S = 2.0
+#: Seconds between two readings of the loaded models' last health answers (no I/O: procman's probes did that).
+SAMPLE_INTERVAL_S = 1.0
 
 Loaded = Callable[[], Iterable[tuple[ModelSpec, Backend]]]
 
@@ -53,12 +53,10 @@ def budgets_now(setting: Any, specs: Iterable[ModelSpec], store: SizeStore) -> d
 class MemoryWatch:
     """One task that measures READY backends; ``wake()`` asks for a measurement now."""
 
-    def __init__(self, store: SizeStore, loaded: Loaded, interval_s: float = SAMPLE_INTERVAL_S,
-                 prober: HttpProber | None = None) -> None:
+    def __init__(self, store: SizeStore, loaded: Loaded, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.store = store
         self._loaded = loaded
         self.interval_s = interval_s
-        self._prober = prober or HttpProber()
         self._wake = asyncio.Event()
         self.reports: dict[str, dict[str, Any]] = {}  # the last memory object of each model
 
@@ -74,25 +72,19 @@ class MemoryWatch:
             self._wake.clear()
 
     async def sample(self) -> None:
-        """Measure every READY backend once (concurrently, each bounded)."""
-        ready = [(spec, backend) for spec, backend in self._loaded()
-                 if backend.state is State.READY and spec.url is None]
-        await asyncio.gather(*(self._measure(spec, backend) for spec, backend in ready))
+        """Measure every READY backend once, from what it last told procman's probes."""
+        for spec, backend in self._loaded():
+            if backend.state is State.READY and spec.url is None:
+                self._measure(spec, backend)
 
-    async def _measure(self, spec: ModelSpec, backend: Backend) -> None:
-        pid, address = backend.pid, backend.address
+    def _measure(self, spec: ModelSpec, backend: Backend) -> None:
+        pid = backend.pid
         if spec.command is not None:
             if spec.memory_mb is None and (peak := peak_rss_of(pid)):
                 self._record(spec.name, pid, {"device": spec.device, "counted_bytes": peak, "peak_rss_bytes": peak})
             return
-        if address is None:
-            return
-        try:
-            status, body = await self._prober.fetch(address, spec.health_path, HEALTH_TIMEOUT_S)
-            memory = json.loads(body).get("memory") if status == 200 else None
-        except (OSError, ValueError, TimeoutError, AttributeError, asyncio.IncompleteReadError) as exc:
-            log.debug("memory of %s unavailable: %s", spec.name, exc)
-            return
+        health = backend.last_health
+        memory = health.body.get("memory") if health is not None and health.ok and health.body else None
         if isinstance(memory, dict):
             self._record(spec.name, pid, memory)
 

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
-from procman import Started, State, Stopped, Transition
+from procman import Backend, Started, State, Stopped, Transition
 from router.errors import client_line
 from router.events import EventBus
 from router.registry import Model
@@ -58,15 +56,11 @@ KIND = "model_status"
 class StatusBus:
     """Subscriber of every backend's notices and publisher of status events."""
 
-    def __init__(self, service: RouterService, events: EventBus, *, progress_interval_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, service: RouterService, events: EventBus, *, progress_interval_s: float = 0.5) -> None:
         self.service = service
         self.events = events
         self.progress_interval_s = progress_interval_s
-        self._clock = clock
         self._last_start_failed: dict[str, bool] = {}
-        self._load_began: dict[str, float] = {}
-        self._load_s: dict[str, float] = {}  # how long the last successful start took
         self._published: dict[str, str] = {}
         self._changed: dict[str, asyncio.Future[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
@@ -86,7 +80,7 @@ class StatusBus:
             value = "failed"
         status: dict[str, Any] = {"value": value}
         if value == "loading":
-            status["progress"] = self._progress(name)
+            status["progress"] = _progress(backend)
             if (waiting := self.service.registry.manager.room_waits().get(name)) is not None:
                 status["waiting"] = waiting  # not loading yet: no process, no memory held
         elif value == "failed":
@@ -96,15 +90,6 @@ class StatusBus:
             if backend.retry_after_s is not None:
                 status["retry_after_s"] = round(backend.retry_after_s, 1)
         return status
-
-    def _progress(self, name: str) -> dict[str, Any]:
-        began = self._load_began.get(name)
-        elapsed = self._clock() - began if began is not None else 0.0
-        progress: dict[str, Any] = {"elapsed_s": round(elapsed, 2)}
-        expected = self._load_s.get(name)
-        if expected:
-            progress.update(expected_s=round(expected, 2), value=round(min(elapsed / expected, 0.99), 2))
-        return progress
 
     def changed(self, name: str) -> asyncio.Future[None]:
         """A future that resolves at the next state change of model ``name``."""
@@ -133,8 +118,6 @@ class StatusBus:
 
     def _transition(self, news: Transition) -> None:
         name = news.name
-        if news.new is State.STARTING:
-            self._load_began[name] = self._clock()
         future = self._changed.pop(name, None)
         if future is not None and not future.done():
             future.set_result(None)
@@ -153,8 +136,6 @@ class StatusBus:
 
     def _started(self, news: Started) -> None:
         self._last_start_failed[news.name] = not news.ok
-        if news.ok:
-            self._load_s[news.name] = news.duration_s
         self._publish_change(news.name, news.generation)
 
     def _stopped(self, news: Stopped) -> None:
@@ -180,3 +161,13 @@ class StatusBus:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+
+
+def _progress(backend: Backend) -> dict[str, Any]:
+    """How far the start of ``backend`` is, by procman's clock and its last start's duration."""
+    elapsed = backend.loading_for_s() or 0.0
+    progress: dict[str, Any] = {"elapsed_s": round(elapsed, 2)}
+    expected = backend.last_load_s
+    if expected:
+        progress.update(expected_s=round(expected, 2), value=round(min(elapsed / expected, 0.99), 2))
+    return progress

@@ -60,7 +60,7 @@ async def _stream(service: RouterService, kinds: set[str] | None) -> AsyncIterat
             try:
                 event = await asyncio.wait_for(sub.get(), max(0.0, next_stats - time.monotonic()))
             except TimeoutError:
-                await console.refresh()
+                console.refresh()
                 rows = console.enrich(service.models_table())
                 yield _sse("stats", {"models": rows, "last_reload": service.last_reload, "now": time.time()})
                 next_stats = time.monotonic() + STATS_INTERVAL_S

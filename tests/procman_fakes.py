@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import json
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -85,6 +86,7 @@ class FakeProcess:
         self.env = dict(env)
         self.cwd = cwd
         self.healthy = True
+        self.health_body: dict[str, Any] = {"status": "ready"}  # what its health path answers while healthy
         self.ignore_term = False
         self.signals: list[int] = []
         self._on_line = on_line
@@ -158,12 +160,15 @@ class FakeProber:
         self.calls: list[tuple[Address, str]] = []
         self.methods: list[str] = []
 
-    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
+    async def check(
+        self, address: Address, path: str, timeout_s: float, method: str = "GET"
+    ) -> tuple[int, bytes] | None:
         self.calls.append((address, path))
         self.methods.append(method)
         if address.url is not None:
-            return self.remote.get(address.url, False)
-        return any(p.healthy for p in self.spawner.procs if p.serves(address))
+            return (200, b"") if self.remote.get(address.url, False) else None
+        proc = next((p for p in self.spawner.procs if p.healthy and p.serves(address)), None)
+        return None if proc is None else (200, json.dumps(proc.health_body).encode())
 
 
 class Recorder:
@@ -203,10 +208,11 @@ def fake_spec(name: str = "m", **overrides: Any) -> BackendSpec:
 class Harness:
     """A ProcessManager wired to fakes, for tests that want all of them at hand."""
 
-    def __init__(self, runtime_dir: Path, clock: FakeClock | None = None, **manager_kw: Any) -> None:
+    def __init__(self, runtime_dir: Path, clock: FakeClock | None = None, prober: Any = None,
+                 **manager_kw: Any) -> None:
         self.clock = clock or FakeClock()
         self.spawner = FakeSpawner()
-        self.prober = FakeProber(self.spawner)
+        self.prober = prober or FakeProber(self.spawner)
         self.recorder = Recorder()
         self.manager = ProcessManager(
             runtime_dir,

@@ -221,11 +221,11 @@ def chat(model: str, text: str = "hello there world", **extra: object) -> dict[s
 @contextlib.asynccontextmanager
 async def fake_router(
     tmp_path: Path, models: dict[str, Any], groups: dict[str, Any] | None = None,
-    router: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None, prober: Any = None,
 ) -> AsyncIterator[FakeRouter]:
     """A router over ``models`` (raw config mappings; ``router``: its own settings), its lifespan running,
-    every backend a fake."""
-    harness = Harness(tmp_path / "runtime")
+    every backend a fake (``prober``: procman's, instead of the fake one)."""
+    harness = Harness(tmp_path / "runtime", prober=prober)
     config = parse_config({"router": {"state_dir": str(tmp_path / "state"), **(router or {})}, "models": models,
                            "groups": groups or {}}, tmp_path)
     upstream = FakeUpstream(harness)

@@ -320,8 +320,8 @@ def test_under_uvloop_ready_crash_relaunch_and_stop(tmp_path: Path) -> None:
 class NeverReady:
     """A prober that never sees a 200: only the process's own announcement can end its start."""
 
-    async def probe(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> bool:
-        return False
+    async def check(self, address: Address, path: str, timeout_s: float, method: str = "GET") -> tuple[int, bytes]:
+        return 503, b""
 
 
 async def test_model_server_announces_readiness_over_its_output_pipe(tmp_path: Path) -> None:

@@ -189,6 +189,11 @@ async def test_the_real_pipeline_reports_kv_cache_figures(tmp_path: Path, demo_g
         lines = await _sse_lines(router.client, body)
         usage = [json.loads(line[6:])["usage"] for line in lines if line.startswith("data: {") and '"usage":{' in line]
         samples = _samples((await router.client.get("/metrics")).text)
+        for _ in range(300):  # the figures of procman's last health probe (every health_interval_s): the next one
+            if _value(samples, "ovrouter_backend_kv_cache_bytes", model="smollm2") > 0:
+                break
+            await asyncio.sleep(0.1)
+            samples = _samples((await router.client.get("/metrics")).text)
         assert _value(samples, "ovrouter_backend_kv_cache_bytes", model="smollm2") > 0
         assert 0 <= _value(samples, "ovrouter_backend_kv_cache_usage_ratio", model="smollm2") <= 1
         assert ("ovrouter_backend_scheduled_requests", (("model", "smollm2"),)) in samples

@@ -157,38 +157,27 @@ def test_model_memory_settings_are_validated() -> None:
 
 
 class _Backend:
-    def __init__(self, address: object, pid: int) -> None:
+    def __init__(self, health: object, pid: int) -> None:
         from procman import State
 
-        self.state, self.address, self.pid = State.READY, address, pid
+        self.state, self.last_health, self.pid = State.READY, health, pid
 
 
-async def test_memory_watch_records_what_health_reports(tmp_path: Path) -> None:
-    import asyncio
-
-    from procman import Address
+async def test_memory_watch_records_what_the_last_health_answer_reports(tmp_path: Path) -> None:
+    from procman.prober import Health
     from router.memwatch import MemoryWatch
 
-    body = json.dumps({"status": "ready", "memory": {"device": "CPU", "counted_bytes": 42 * M}}).encode()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
-        writer.close()
-
-    socket = tmp_path / "m.sock"
-    server = await asyncio.start_unix_server(serve, path=str(socket))
-    try:
-        store = SizeStore(tmp_path / "memory.json")
-        model = spec("m", engine="fake")
-        watch = MemoryWatch(store, lambda: [(model, _Backend(Address(kind="uds", path=str(socket)), 7))])
-        await watch.sample()
-    finally:
-        server.close()
-        await server.wait_closed()
+    store = SizeStore(tmp_path / "memory.json")
+    model = spec("m", engine="fake")
+    answer = Health(200, {"status": "ready", "memory": {"device": "CPU", "counted_bytes": 42 * M}}, 1.0)
+    watch = MemoryWatch(store, lambda: [(model, _Backend(answer, 7))])
+    await watch.sample()  # no I/O: procman's probes brought the answer
     assert store.size_of(model).as_dict() == {"device": "CPU", "bytes": 42 * M, "source": "measured"}
     assert watch.reports["m"]["counted_bytes"] == 42 * M
+    loading = Health(503, {"status": "loading", "memory": {"device": "CPU", "counted_bytes": 99 * M}}, 2.0)
+    await MemoryWatch(store, lambda: [(model, _Backend(loading, 7))]).sample()
+    await MemoryWatch(store, lambda: [(model, _Backend(None, 7))]).sample()
+    assert store.size_of(model).bytes == 42 * M  # only a ready process's answer is a measurement
 
 
 async def test_memory_watch_reads_a_command_backends_peak_from_proc(tmp_path: Path) -> None:
