@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="the model's key under `models` in --config")
     parser.add_argument("--task", help="no-config form: llm | embeddings | ...")
     parser.add_argument("--path", help="no-config form: a .gguf file or an OpenVINO IR folder")
-    parser.add_argument("--device", default="CPU", help="no-config form: OpenVINO device (default CPU)")
+    parser.add_argument("--device", help="no-config form: OpenVINO device (default: the `device` setting's, CPU)")
     parser.add_argument("--engine", choices=["openvino", "fake"], help="no-config form: engine (default openvino)")
     parser.add_argument("--name", help="no-config form: the model's name (default: the file's stem)")
     parser.add_argument("--cache-dir", help="no-config form: OpenVINO CACHE_DIR")

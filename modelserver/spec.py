@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 __all__ = [
     "AUDIENCES",
     "CHILD_AUDIENCES",
+    "DEFAULT_CACHE_DIR",
     "DEFAULT_FATAL_PATTERNS",
+    "DEFAULT_STATE_DIR",
     "DEFAULT_SUSPECT_PATTERNS",
     "SPEC_ENV",
     "ConfigError",
@@ -48,6 +50,11 @@ EngineName = Literal["openvino", "fake"]
 
 #: Environment variable through which the router hands a child the exact spec it validated.
 SPEC_ENV = "OVROUTER_MODEL_SPEC"
+
+#: ``router.state_dir`` and ``router.cache_dir`` when the config says nothing (``router/config.py`` and a
+#: model server started from a config file both take them from here).
+DEFAULT_STATE_DIR = ".ovrouter"
+DEFAULT_CACHE_DIR = ".ovrouter/ov-cache"
 
 #: Engine errors (and last stderr lines of a process that exited non-zero) after which the
 #: device must not be touched again: the process answers, exits, and is replaced. Matched as
@@ -417,7 +424,7 @@ def load_model_spec(config_path: Path, name: str) -> ModelSpec:
         raise ConfigError([f"models.{name}: no such model (known: {known})"], str(config_path))
     router = data.get("router") or {}
     inherited = {
-        "state_dir": router.get("state_dir", ".ovrouter"),
-        "cache_dir": router.get("cache_dir", ".ovrouter/ov-cache"),
+        "state_dir": router.get("state_dir", DEFAULT_STATE_DIR),
+        "cache_dir": router.get("cache_dir", DEFAULT_CACHE_DIR),
     }
     return build_model_spec(name, models[name], data.get("defaults") or {}, config_path.parent.resolve(), inherited)

@@ -27,10 +27,12 @@ from typing import Literal
 
 from procman.errors import BackendUnavailable
 
-__all__ = ["Address", "AddressAllocator", "is_address_clash", "safe_name", "short_name"]
+__all__ = ["DEFAULT_PORT_RANGE", "Address", "AddressAllocator", "is_address_clash", "safe_name", "short_name"]
 
 log = logging.getLogger(__name__)
 
+#: TCP ports handed to backends when nobody says otherwise (the router's ``router.port_range`` default too).
+DEFAULT_PORT_RANGE = (20000, 20999)
 #: sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 MAX_SOCKET_PATH = 103
 
@@ -115,7 +117,7 @@ def _port_is_free(host: str, port: int) -> bool:
 class AddressAllocator:
     """Hands out one address per running backend and takes it back when the process is gone."""
 
-    def __init__(self, runtime_dir: Path, port_range: tuple[int, int] = (20000, 20999), host: str = "127.0.0.1"):
+    def __init__(self, runtime_dir: Path, port_range: tuple[int, int] = DEFAULT_PORT_RANGE, host: str = "127.0.0.1"):
         low, high = port_range
         if not 0 < low <= high < 65536:
             raise ValueError(f"port_range: expected [low, high] within 1..65535, got {list(port_range)}")

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from pathlib import Path
 from types import MappingProxyType
 
-from procman.address import AddressAllocator
+from procman.address import DEFAULT_PORT_RANGE, AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
 from procman.nodes import Node, Seat, choose_node
@@ -66,7 +66,7 @@ class ProcessManager:
         self,
         runtime_dir: Path,
         *,
-        port_range: tuple[int, int] = (20000, 20999),
+        port_range: tuple[int, int] = DEFAULT_PORT_RANGE,
         spawner: Spawner | None = None,
         prober: Prober | None = None,
         clock: Callable[[], float] = time.monotonic,

@@ -20,7 +20,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from modelserver.spec import PER_MODEL_KEYS, ConfigError, ModelSpec, build_model_spec, format_errors, read_yaml
+from modelserver.spec import (
+    DEFAULT_CACHE_DIR,
+    DEFAULT_STATE_DIR,
+    PER_MODEL_KEYS,
+    ConfigError,
+    ModelSpec,
+    build_model_spec,
+    format_errors,
+    read_yaml,
+)
+from procman.address import DEFAULT_PORT_RANGE
 from router.budget import parse_budget
 
 __all__ = ["Config", "ConfigError", "EngineSettings", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
@@ -48,13 +58,15 @@ class RouterSettings(_Frozen):
     api_keys: tuple[str, ...] = Field((), description="Bearer (or x-api-key) keys for /v1 and /upstream; empty = open")
     admin_keys: tuple[str, ...] = Field(
         (), description="Bearer (or x-api-key) keys for /api and /metrics; empty = same as api_keys")
-    state_dir: str = Field(".ovrouter", description="sockets, logs, converted models (relative to the config file)")
-    cache_dir: str = Field(".ovrouter/ov-cache", description="OpenVINO CACHE_DIR handed to every model server")
+    state_dir: str = Field(
+        DEFAULT_STATE_DIR, description="sockets, logs, converted models (relative to the config file)"
+    )
+    cache_dir: str = Field(DEFAULT_CACHE_DIR, description="OpenVINO CACHE_DIR handed to every model server")
     transport: Literal["uds", "tcp"] = Field("uds", description="how the router reaches model servers: uds | tcp")
     engine: EngineSettings = Field(
         default_factory=EngineSettings, description="where model processes run: {kind: local} or {kind: ray, ...}"
     )
-    port_range: tuple[int, int] = Field((20000, 20999), description="TCP ports for model servers (transport tcp)")
+    port_range: tuple[int, int] = Field(DEFAULT_PORT_RANGE, description="TCP ports for model servers (transport tcp)")
     max_loaded_models: int = Field(0, ge=0, description="models loaded at once (LRU idle stops first); 0 = no limit")
     shutdown_timeout_s: float = Field(30, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     watch: bool = Field(True, description="reload when config.yaml changes on disk")

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import httptools
 
 from router.coalesce import CoalescingHttpToolsProtocol
+from router.config import RouterSettings
 from router.errors import error_body
 
 __all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "MAX_URL_BYTES", "ConnectionLimits", "GuardedHttpProtocol", "Refused"]
@@ -49,11 +50,16 @@ MAX_HEADERS = 100
 LOG_EVERY_S = 10.0
 
 
+_SETTINGS = RouterSettings.model_fields  # the settings' one set of defaults
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
+    """What ``router.*`` says (:func:`connection_limits`); the defaults are the settings' own."""
+
+    head_timeout_s: float = _SETTINGS["head_timeout_s"].default
+    body_timeout_s: float = _SETTINGS["body_timeout_s"].default
+    max_connections: int = 1024  # a stand-in: router.max_connections 0 (auto) is resolved by connection_limits()
     max_url_bytes: int = MAX_URL_BYTES
     max_head_bytes: int = MAX_HEAD_BYTES
     max_headers: int = MAX_HEADERS

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from modelserver.errors import LoadError
-from modelserver.spec import ModelSpec
+from modelserver.spec import DEFAULT_STATE_DIR, ModelSpec
 
 __all__ = [
     "COUNTING_TOKENIZER",
@@ -145,7 +145,7 @@ class ModelSource:
 
 
 def converted_dir(spec: ModelSpec) -> Path:
-    return Path(spec.state_dir or ".ovrouter") / "converted" / spec.name
+    return Path(spec.state_dir or DEFAULT_STATE_DIR) / "converted" / spec.name
 
 
 def _stamp(path: Path) -> dict[str, Any]:
