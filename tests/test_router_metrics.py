@@ -1,6 +1,8 @@
-"""Per-model activity figures and metrics (measured RSS, token timings), cold-start feedback and
-``ovrouter status``, on a real router in front of fake-engine model servers. /api/events, request
-cancellation, the vLLM names and the streams' end at shutdown: tests/test_router_api_inprocess.py."""
+"""Metrics and cold-start feedback end to end, on a real router in front of real model-server processes:
+the OpenAI SDK's stream after a cold start, ``ovrouter status`` and the measured RSS, the real pipeline's
+KV-cache figures. The metrics of known traffic, comment lines before a cold stream's data and a failed
+start after the head: tests/test_router_metrics_inprocess.py; /api/events, request cancellation, the
+vLLM names and the streams' end at shutdown: tests/test_router_api_inprocess.py."""
 
 from __future__ import annotations
 
@@ -41,57 +43,6 @@ async def _sse_lines(client: httpx.AsyncClient, body: dict[str, Any]) -> list[st
         return [line async for line in resp.aiter_lines()]
 
 
-async def test_metrics_count_known_traffic(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"m": fake_model()})
-    async with running_router(config) as router:
-        for _ in range(3):
-            lines = await _sse_lines(router.client, {**CHAT, "stream": True,
-                                                     "stream_options": {"include_usage": True}})
-            assert lines[-2] == "data: [DONE]" or lines[-1] == "data: [DONE]"
-        for _ in range(2):
-            resp = await router.client.post("/v1/chat/completions", json=CHAT)
-            assert resp.status_code == 200
-        samples = _samples((await router.client.get("/metrics")).text)
-        assert _value(samples, "ovrouter_time_to_first_token_seconds_count", model="m") == 3  # streams only
-        assert _value(samples, "ovrouter_inter_token_latency_seconds_count", model="m") == 3
-        assert _value(samples, "ovrouter_queue_wait_seconds_count", model="m") == 5  # every request
-        # the fake engine counts words: 5 completion tokens per answer; its prompt count is what usage said
-        assert _value(samples, "ovrouter_completion_tokens_total", model="m") == 5 * 5
-        usage = resp.json()["usage"]
-        assert _value(samples, "ovrouter_prompt_tokens_total", model="m") == 5 * usage["prompt_tokens"]
-        assert _value(samples, "ovrouter_model_memory_rss_bytes", model="m") > 1 << 20
-        assert _value(samples, "ovrouter_model_last_load_seconds", model="m") > 0
-        rows = (await router.client.get("/api/models")).json()["models"]
-        row = next(r for r in rows if r["name"] == "m")
-        assert row["requests_per_min"] == 5 and row["ttft_p50_s"] is not None and row["rss_bytes"] > 0
-        assert sum(row["sparkline"]) == 5
-        recent = (await router.client.get("/api/requests")).json()["requests"]
-        assert [r["state"] for r in recent] == ["done"] * 5
-        assert {r["completion_tokens"] for r in recent} == {5}
-
-
-async def test_streams_waiting_on_a_start_get_comment_lines_first(tmp_path: Path) -> None:
-    slow = fake_model(fake={"load_s": 3, "token_delay_s": 0.005}, loading_progress="comments")
-    config = write_config(tmp_path, {"m": slow})
-    async with running_router(config) as router:
-        cold = await _sse_lines(router.client, {**CHAT, "stream": True})
-        comments = [line for line in cold if line.startswith(": loading m ")]
-        assert len(comments) >= 1
-        first_data = next(i for i, line in enumerate(cold) if line.startswith("data: "))
-        assert all(cold.index(c) < first_data for c in comments)
-        warm = await _sse_lines(router.client, {**CHAT, "stream": True})
-        assert not any(line.startswith(":") for line in warm)
-
-        def content(lines: list[str]) -> str:
-            out = ""
-            for line in lines:
-                if line.startswith("data: {"):
-                    out += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-            return out
-
-        assert content(cold) == content(warm) == "one two three four five"
-
-
 async def test_the_sdk_stream_is_the_same_after_a_cold_start(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"m": fake_model(fake={"load_s": 3, "token_delay_s": 0.005},
                                                      loading_progress="comments"),
@@ -116,17 +67,6 @@ async def test_the_sdk_stream_is_the_same_after_a_cold_start(tmp_path: Path) -> 
         assert thinking and all(r.startswith("loading r ") for r in thinking)
         assert "".join(c or "" for c, _ in reasoning) == "one two three four five"
         await sdk.close()
-
-
-async def test_a_failed_start_after_the_head_is_one_error_event(tmp_path: Path) -> None:
-    config = write_config(tmp_path, {"m": fake_model(fake={"load_s": 1.5, "fail_load": "no such weights"},
-                                                     loading_progress="comments")})
-    async with running_router(config) as router:
-        lines = await _sse_lines(router.client, {**CHAT, "stream": True})
-        assert lines[0].startswith(": loading m ")
-        errors = [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
-        assert len(errors) == 1 and "no such weights" in errors[0]["error"]["message"]
-        assert [line for line in lines if line][-1] == "data: [DONE]", lines  # as a stream failing mid-way ends
 
 
 def _exported_names() -> set[str]:
@@ -165,6 +105,8 @@ async def test_ovrouter_status_prints_the_figures(tmp_path: Path, capsys: pytest
         for _ in range(2):
             assert (await router.client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         assert (await router.client.post("/api/models/m/restart")).status_code == 200
+        samples = _samples((await router.client.get("/metrics")).text)
+        assert _value(samples, "ovrouter_model_memory_rss_bytes", model="m") > 1 << 20  # the real process's RSS
         code = await asyncio.to_thread(cli.main, ["status", "--url", router.url, "--key", ""])
     assert code == 0
     head, *lines = capsys.readouterr().out.strip().splitlines()

@@ -118,6 +118,8 @@ async def test_load_time_progress_and_readiness_come_from_procman(tmp_path: Path
         async with r.client() as client:
             rows = (await client.get("/api/models")).json()["models"]
             assert next(row for row in rows if row["name"] == "m")["last_load_s"] == round(backend.last_load_s, 2)
+            gauge = f'ovrouter_model_last_load_seconds{{model="m"}} {backend.last_load_s}'
+            assert gauge in (await client.get("/metrics")).text
             await r.harness.clock.run(backend.stop())
             again = asyncio.ensure_future(backend.ensure_ready())
             await clock.advance(1.5)
