@@ -60,6 +60,7 @@ from procman.states import State
 __all__ = [
     "DEFAULT_POLICY",
     "FAILURE_REASONS",
+    "FLAGS",
     "Abort",
     "Admit",
     "Arm",
@@ -99,6 +100,7 @@ __all__ = [
     "Want",
     "Watch",
     "answered",
+    "counters_ok",
     "decide",
     "failures_now",
     "idle_after_s",
@@ -160,6 +162,45 @@ class Decision(NamedTuple):
     state: State
     counters: Counters
     effects: tuple[Effect, ...]
+
+
+#: The flags of :class:`Counters` and the states in which each may differ from its default (``then``: from
+#: "stop"). Elsewhere it holds its default: ``decide()`` resets it on the way out. ``counters_ok`` checks this
+#: and the combinations below; tests/test_procman_counters.py checks every (state, counters) that decide()
+#: reaches from each row of the state table and on random walks.
+FLAGS: dict[str, frozenset[State]] = {
+    "then": frozenset({S.READY, S.STOPPING}),  # READY: a stop or reload waits for a drain
+    "draining": frozenset({S.READY}),
+    "wanted": frozenset({S.STARTING, S.READY, S.STOPPING, S.BACKOFF}),  # READY: parked behind a drain
+    "auto": frozenset({S.STARTING, S.BACKOFF}),  # a relaunch nobody waits on (read when it fails, when retried)
+    "abort": frozenset({S.STARTING}),
+    "swap": frozenset({S.STARTING, S.READY, S.STOPPING}),  # a new spec waits for the process to go
+    "closed": frozenset(State),  # once closed, closed for good
+    "died": frozenset({S.STOPPING, S.BACKOFF}),  # STOPPING: a hung or fatal process being killed
+}
+_DEFAULTS = Counters()
+
+
+def counters_ok(state: State, c: Counters) -> str | None:
+    """None when ``c`` is a combination the machine allows in ``state``; else what is wrong (FLAGS, and):
+
+    - READY and draining: requests are in flight (the last one's Done ends the drain);
+    - READY and ``then`` not "stop", READY and ``swap``, READY and ``wanted``: only behind a drain;
+    - STARTING and ``swap``: the start was interrupted (``abort``);
+    - ``then`` "fail": the process died (a failure is a death).
+    """
+    for flag, states in FLAGS.items():
+        if state not in states and getattr(c, flag) != getattr(_DEFAULTS, flag):
+            return f"{flag}={getattr(c, flag)!r} in {state.name}"
+    if state is S.READY and (c.draining and not c.in_flight):
+        return "READY draining with nothing in flight"
+    if state is S.READY and not c.draining and (c.then != "stop" or c.swap or c.wanted):
+        return f"READY then={c.then!r} swap={c.swap} wanted={c.wanted} with no drain"
+    if state is S.STARTING and c.swap and c.abort is None:
+        return "STARTING with a new spec waiting and no interruption"
+    if c.then == "fail" and not c.died:
+        return "then='fail' and no death"
+    return None
 
 
 #: When the caller of an event hears back (``answered``): a Want by the decision's effects (Admit, Park,
@@ -240,8 +281,13 @@ def _same(state: State, c: Counters, *effects: Effect) -> Decision:
 
 def _cold_start(c: Counters, reason: str = "cold", *, auto: bool = False) -> Decision:
     # STOPPED -> STARTING, BACKOFF -> STARTING
-    c = c._replace(reason=reason, auto=auto, abort=None, then="stop")
+    c = c._replace(reason=reason, auto=auto, abort=None, then="stop", died=False)
     return Decision(S.STARTING, c, (Disarm("retry"), Spawn(reason, reserve=True)))
+
+
+def _resting(c: Counters) -> Counters:
+    """The counters of a backend that comes to rest in STOPPED: no stop, start, wait or spec is pending."""
+    return c._replace(then="stop", wanted=False, auto=False, abort=None, swap=False, died=False)
 
 
 def _on_want(state: State, e: Want, c: Counters, p: Policy, now: float) -> Decision:
@@ -283,9 +329,9 @@ def _stop(state: State, c: Counters, p: Policy, reason: str, drain: bool) -> Dec
     c = c._replace(keep_s=None)  # asked to stop: a client's keep-alive no longer holds it
     if state is S.STOPPED:
         return _same(state, c)
-    if state is S.BACKOFF:  # BACKOFF -> STOPPED: the pending relaunch is cancelled
-        c = c._replace(auto=False)
-        return Decision(S.STOPPED, c, (Disarm("retry"), Notify("stop", reason)))
+    if state is S.BACKOFF:  # BACKOFF -> STOPPED: the pending relaunch is cancelled, and so are its waiters
+        told = (FailParked("interrupted", by=reason),) if c.wanted and not c.closed else ()
+        return Decision(S.STOPPED, _resting(c), (Disarm("retry"), *told, Notify("stop", reason)))
     if state is S.STARTING:  # the start ends with Started('aborted'): STARTING -> STOPPING -> STOPPED
         c = c._replace(abort=reason, then="stop", reason=reason, wanted=False, auto=False)
         return _same(state, c, Abort(reason), FailParked("interrupted", by=reason))
@@ -346,13 +392,13 @@ def _on_exited(state: State, e: Exited, c: Counters, p: Policy, now: float) -> D
     # READY -> BACKOFF: the process is gone already, nothing to stop; a poison request's doing, or a lost
     # node, is no failure
     failures = failures_now(state, c, p, now) + (not e.blamed and not e.lost)
-    pending_stop, stop_reason = c.draining and c.then == "stop", c.reason or "stop"
+    pending_stop, stop_reason, swap = c.draining and c.then == "stop", c.reason or "stop", c.swap
     c = c._replace(failures=failures, backoff_until=now + backoff_delay(failures, p.restart), reason=e.cause,
-                ready_at=None, draining=False, then="stop", auto=not pending_stop, died=True)
+                ready_at=None, draining=False, then="stop", auto=not pending_stop, died=True, swap=False)
     effects = (Notify("restart", e.cause), Blame(e.cause), Reap(), Disarm("drain"), Disarm("idle"))
-    if pending_stop:
-        return Decision(S.BACKOFF, c, (*effects, FollowUp(Stop(stop_reason, drain=False))))
-    if c.swap:
+    if pending_stop:  # the stop it drained for (after a reload's drain: with the new spec)
+        return Decision(S.BACKOFF, c, (*effects, *((Swap(),) if swap else ()), FollowUp(Stop(stop_reason, False))))
+    if swap:  # the reload it drained for: the new spec starts now (Update in BACKOFF takes it)
         return Decision(S.BACKOFF, c, (*effects, FollowUp(Update())))
     return Decision(S.BACKOFF, c, (*effects, *_recover(c, p)))
 
@@ -374,10 +420,10 @@ def _on_reaped(state: State, e: Reaped, c: Counters, p: Policy, now: float) -> D
         swap = (Swap(),)
         c = c._replace(swap=False, failures=0, backoff_until=None, then="start" if c.then == "fail" else c.then)
     if c.then == "start" and not c.closed:  # STOPPING -> STARTING: keeps its room
-        c = c._replace(auto=True, abort=None)
+        c = c._replace(auto=True, abort=None, then="stop", died=False)
         return Decision(S.STARTING, c, (*swap, Spawn(c.reason, reserve=False)))
     if c.then == "fail" and not c.closed:  # STOPPING -> BACKOFF
-        c = c._replace(backoff_until=now + backoff_delay(c.failures, p.restart), auto=True)
+        c = c._replace(backoff_until=now + backoff_delay(c.failures, p.restart), auto=True, then="stop")
         recover = _recover(c, p)
         park = (FailParked("backoff", retry_after_s=backoff_remaining(c, now)),) if c.wanted and not (
             recover and isinstance(recover[0], FollowUp | Arm)
@@ -385,7 +431,7 @@ def _on_reaped(state: State, e: Reaped, c: Counters, p: Policy, now: float) -> D
         return Decision(S.BACKOFF, c._replace(wanted=c.wanted and not park), (*swap, *park, *recover))
     # STOPPING -> STOPPED: a client's keep-alive was for the process that stopped
     again: tuple[Effect, ...] = (FollowUp(Want()),) if c.wanted and not c.closed else ()
-    c = c._replace(wanted=False, auto=False, keep_s=None)
+    c = _resting(c)._replace(keep_s=None)
     return Decision(S.STOPPED, c, (*swap, Notify("stop", c.reason), *again))
 
 
@@ -393,17 +439,20 @@ def _on_started(state: State, e: Started, c: Counters, p: Policy, now: float) ->
     if state is not S.STARTING:
         return _same(state, c)
     if e.outcome == "ok" and c.abort is None:  # STARTING -> READY
-        c = c._replace(generation=c.generation + 1, ready_at=now, idle_since=now, wanted=False, then="stop")
+        c = c._replace(generation=c.generation + 1, ready_at=now, idle_since=now, wanted=False, then="stop",
+                       auto=False, died=False)
         effects = (Notify("start", c.reason), Watch(), *_arm_idle(c, p, now), Wake())
         return Decision(S.READY, c, effects)
     if e.outcome == "ok" or (e.outcome == "aborted" and e.has_process):  # STARTING -> STOPPING
         then: Then = "start" if c.abort == "reload" else "stop"
-        return Decision(S.STOPPING, c._replace(then=then, reason=c.abort or c.reason), (Terminate(),))
-    if e.outcome == "aborted":  # nothing was spawned yet
-        return _aborted_early(c)
+        c = c._replace(then=then, reason=c.abort or c.reason, abort=None, auto=False)
+        return Decision(S.STOPPING, c, (Terminate(),))
+    if e.outcome == "aborted" or (e.outcome == "refused" and c.abort is not None):  # nothing was spawned
+        return _aborted_early(c)  # (a start refused room as it was interrupted: the interruption wins)
     if e.outcome == "refused":  # STARTING -> STOPPED / BACKOFF: no room, nothing spawned, no failure counted
-        back = S.BACKOFF if c.failures else S.STOPPED
-        return Decision(back, c._replace(wanted=False, auto=False), (FailParked("failed"),))
+        if c.failures:
+            return Decision(S.BACKOFF, c._replace(wanted=False, auto=False), (FailParked("failed"),))
+        return Decision(S.STOPPED, _resting(c), (FailParked("failed"),))
     return _start_failed(c, p, now)
 
 
@@ -411,9 +460,8 @@ def _aborted_early(c: Counters) -> Decision:
     if c.abort == "reload" and not c.closed:  # a reload's start of the new spec; stays STARTING
         c = c._replace(swap=False, failures=0, backoff_until=None, abort=None, reason="reload", auto=True)
         return Decision(S.STARTING, c, (Swap(), Spawn("reload", reserve=True)))
-    c = c._replace(abort=None, wanted=False, auto=False)  # STARTING -> STOPPED
-    swap: tuple[Effect, ...] = (Swap(),) if c.swap else ()
-    return Decision(S.STOPPED, c._replace(swap=False), (*swap, Notify("stop", c.reason)))
+    swap: tuple[Effect, ...] = (Swap(),) if c.swap else ()  # STARTING -> STOPPED
+    return Decision(S.STOPPED, _resting(c), (*swap, Notify("stop", c.reason)))
 
 
 def _start_failed(c: Counters, p: Policy, now: float) -> Decision:
@@ -423,9 +471,11 @@ def _start_failed(c: Counters, p: Policy, now: float) -> Decision:
     c = c._replace(failures=failures, backoff_until=now + delay, wanted=False, died=False)
     effects: tuple[Effect, ...] = (Notify("start", c.reason, ok=False), Blame("start"),
                                    FailParked("failed", retry_after_s=delay))
-    if c.abort is not None:  # a stop or reload came while it failed: carry it out now
+    if c.abort is not None:  # a stop or reload came while it failed: carry it out now (a stop takes a new spec)
         follow = Update() if c.abort == "reload" else Stop(c.abort, drain=False)
-        return Decision(S.BACKOFF, c._replace(abort=None, auto=False), (*effects, FollowUp(follow)))
+        swap: tuple[Effect, ...] = (Swap(),) if c.swap and c.abort != "reload" else ()
+        c = c._replace(abort=None, auto=False, swap=False)
+        return Decision(S.BACKOFF, c, (*effects, *swap, FollowUp(follow)))
     if c.auto:
         return Decision(S.BACKOFF, c, (*effects, *_recover(c, p)))
     return Decision(S.BACKOFF, c, effects)  # a cold start's failure: the next request tries again
@@ -465,14 +515,14 @@ def _on_update(state: State, e: Update, c: Counters, p: Policy, now: float) -> D
     if c.closed:
         return _same(state, c)
     c = c._replace(keep_s=None)  # a new spec: clients' keep-alive ends
-    fresh = c._replace(failures=0, backoff_until=None)
+    fresh = c._replace(failures=0, backoff_until=None, swap=False)  # no process to wait for: taken now
     if state is S.STOPPED:
         return _same(state, fresh, Swap())
     if state is S.BACKOFF:
         if c.auto and c.failures <= p.restart.max_retries:  # it was relaunching: BACKOFF -> STARTING, new spec
             cold = _cold_start(fresh, "reload", auto=True)
             return Decision(cold.state, cold.counters, (Swap(), *cold.effects))
-        return Decision(S.STOPPED, fresh._replace(auto=False), (Disarm("retry"), Swap(), Notify("stop", "reload")))
+        return Decision(S.STOPPED, _resting(fresh), (Disarm("retry"), Swap(), Notify("stop", "reload")))
     if state is S.STARTING:  # waiters stay parked: they get the new spec's process
         return _same(state, c._replace(swap=True, abort="reload"), Abort("reload"))
     if state is S.STOPPING:
