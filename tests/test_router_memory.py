@@ -1,16 +1,16 @@
-"""Memory budgets and rolling changes over real fake-engine processes (``fake.memory_mb`` sizes them).
-
-Each eviction is checked when it happens (a subscriber of procman's notices): the victim is idle, the least
-recently used of the idle models old enough to go, and loaded at least ``min_residency_s``.
+"""Memory end to end over real fake-engine processes (``fake.memory_mb`` sizes them): sizes measured from a
+real process's ``/health`` and remembered under ``state_dir``, rolling and stop-first changes under load.
+The budget's decisions (evictions, ``min_residency_s``, waiting for room, a model that can never fit) are
+tested in-process: tests/test_router_memory_inprocess.py, with :class:`EvictionCheck` below, which checks
+each eviction when it happens (a subscriber of procman's notices): the victim is idle, the least recently
+used of the idle models old enough to go, and loaded at least ``min_residency_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import pytest
 
 from modelserver.spec import SPEC_ENV
 from procman import Evicted, State
-from router.statustable import status_table
+from tests.router_fakes import FakeRouter
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
 from tests.test_router_reload import rewrite
@@ -36,7 +36,7 @@ def sized(memory_mb: int, **extra: Any) -> dict[str, Any]:
 class EvictionCheck:
     """A subscriber of procman's Evicted notices that checks every eviction against the policy when it happens."""
 
-    def __init__(self, router: RunningRouter) -> None:
+    def __init__(self, router: RunningRouter | FakeRouter) -> None:
         self.router = router
         self.evicted: list[str] = []
         self.problems: list[str] = []
@@ -63,107 +63,6 @@ class EvictionCheck:
 
 async def ask(router: RunningRouter, name: str, text: str = "hello there") -> int:
     return (await router.client.post("/v1/chat/completions", json=chat(name, text))).status_code
-
-
-def loaded(router: RunningRouter) -> set[str]:
-    return {n for n, m in router.service.registry.models.items() if m.backend.state is State.READY}
-
-
-@contextlib.asynccontextmanager
-async def three_of_four_loaded(tmp_path: Path, min_residency_s: float) -> AsyncIterator[tuple[RunningRouter,
-                                                                                                EvictionCheck]]:
-    """Four 300 MiB models under a 1 GiB budget, a, b and c loaded (in that order), evictions checked."""
-    models = {name: sized(300) for name in "abcd"}
-    defaults = {"min_residency_s": min_residency_s}
-    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}}, defaults=defaults)
-    async with running_router(path) as router:
-        check = EvictionCheck(router)
-        router.service.registry.manager.subscribe(Evicted, check.check)
-        for name in "abc":
-            assert await ask(router, name) == 200
-        yield router, check
-
-
-async def test_four_models_under_a_budget_for_three_evict_the_lru_idle_one(tmp_path: Path) -> None:
-    async with three_of_four_loaded(tmp_path, 0) as (router, check):
-        assert await ask(router, "a") == 200  # b is now the least recently used
-        assert await ask(router, "d") == 200
-        assert check.evicted == ["b"] and loaded(router) == {"a", "c", "d"}
-        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "b")
-        assert row["last_eviction"]["reason"] == "memory" and row["last_eviction"]["for"] == "d"
-        assert row["memory"]["bytes"] == 300 * MIB and row["memory"]["budget_bytes"] == 1024 * MIB
-
-        # concurrent clients over all four: every request answered, every eviction by the policy
-        names = itertools.cycle("abcdbdacdcba")
-        statuses = await asyncio.gather(*(ask(router, next(names), f"request {i}") for i in range(48)))
-        assert set(statuses) == {200}, statuses
-        assert not check.problems, check.problems
-        assert len(loaded(router)) <= 3
-        metrics = (await router.client.get("/metrics")).text
-        assert 'ovrouter_evictions_total{reason="memory"}' in metrics
-        assert 'ovrouter_memory_budget_bytes{device="CPU"} 1.073741824e+09' in metrics
-        memory = (await router.client.get("/api/status")).json()["memory"]["CPU"]
-        assert memory["budget_bytes"] == 1024 * MIB and memory["used_bytes"] <= 1024 * MIB
-
-
-async def test_min_residency_makes_a_start_wait_instead_of_thrashing(tmp_path: Path) -> None:
-    async with three_of_four_loaded(tmp_path, 1.5) as (router, check):
-        # d must wait for one of a, b, c to have been loaded 1.5 s: it waits, it does not fail
-        assert await asyncio.gather(*(ask(router, "d", f"d {i}") for i in range(3))) == [200, 200, 200]
-        assert check.evicted == ["a"] and not check.problems, check.problems
-
-
-async def test_a_start_waiting_for_room_says_so_everywhere_instead_of_starting(tmp_path: Path) -> None:
-    async with three_of_four_loaded(tmp_path, 60) as (router, check):  # a, b, c stay young for a minute: d waits
-        waiting = asyncio.ensure_future(ask(router, "d"))
-        manager = router.service.registry.manager
-        await wait_for(lambda: "d" in manager.room_waits(), what="d waiting for room")
-        expected = ("waiting for memory: needs 300 MiB, 900 MiB of 1 GiB CPU in use by a (idle), b (idle), c (idle); "
-                    "the idle ones are within min_residency_s")
-        rows = {r["name"]: r for r in (await router.client.get("/api/models")).json()["models"]}
-        assert rows["d"]["state"] == "waiting" and rows["d"]["pid"] is None and rows["d"]["waiting"] == expected
-        assert rows["a"]["state"] == "ready" and rows["a"]["waiting"] is None
-        status = next(m for m in (await router.client.get("/models")).json()["data"] if m["id"] == "d")["status"]
-        assert status["value"] == "loading" and status["waiting"] == expected, status
-        assert (await router.client.get("/api/status")).json()["models"]["d"] == "waiting"
-        table = status_table(router.service.console.enrich(router.service.models_table()))
-        assert any(line.split()[:3] == ["d", "waiting", "-"] and expected in line for line in table.splitlines()), table
-        waiting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiting
-        assert check.evicted == []
-
-
-async def test_a_model_that_can_never_fit_gets_a_503_naming_the_budget_and_sizes(tmp_path: Path) -> None:
-    models = {"big": sized(800), "pinned": sized(300, pin=True)}
-    path = write_config(tmp_path, models, router={"memory_budget": {"CPU": "1GiB"}})
-    async with running_router(path) as router:
-        assert await ask(router, "pinned") == 200
-        reply = await router.client.post("/v1/chat/completions", json=chat("big"))
-        assert reply.status_code == 503
-        message = reply.json()["error"]["message"]
-        assert "big needs 800 MiB" in message and "pinned pinned (300 MiB)" in message, message
-        assert "memory_budget CPU: 1 GiB" in message, message
-        assert router.backend("pinned").state is State.READY
-
-
-async def test_loading_a_model_that_can_never_fit_through_the_model_apis_is_a_503_and_listed_failed(
-        tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"huge": sized(2048)}, router={"memory_budget": {"CPU": "1GiB"}})
-    async with running_router(path) as router:
-        for load in (router.client.post("/models/load", json={"model": "huge"}),
-                     router.client.post("/api/models/huge/load")):
-            reply = await load
-            assert reply.status_code == 503, reply.text
-            message = reply.json()["error"]["message"]
-            assert "huge needs 2 GiB" in message and "memory_budget CPU: 1 GiB" in message, message
-            assert "\n" not in message
-        listed = (await router.client.get("/models")).json()["data"]
-        status = next(m for m in listed if m["id"] == "huge")["status"]
-        assert status["value"] == "failed" and "memory_budget CPU: 1 GiB" in status["last_error"], status
-        row = next(r for r in (await router.client.get("/api/models")).json()["models"] if r["name"] == "huge")
-        assert "memory_budget CPU: 1 GiB" in row["last_error"], row
-        assert router.backend("huge").state is State.STOPPED
 
 
 async def test_sizes_are_measured_and_remembered_under_state_dir(tmp_path: Path) -> None:
