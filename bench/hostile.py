@@ -29,7 +29,7 @@ import psutil
 from bench.common import Context, Section, Table
 from bench.procs import wait_until
 from bench.routerctl import Router, fake_model, router_config, start_router
-from router.connlimits import raise_open_file_limit
+from router.edge.connlimits import raise_open_file_limit
 
 __all__ = ["run"]
 

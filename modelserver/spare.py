@@ -25,7 +25,7 @@ from modelserver import startup
 
 __all__ = ["SPARE_FLAG", "SPARE_READY", "main", "warm_imports"]
 
-#: ``python -m modelserver --spare`` (``procman.spare`` and ``router.launch`` spell the same flag).
+#: ``python -m modelserver --spare`` (``procman.spare`` and ``router.state.launch`` spell the same flag).
 SPARE_FLAG = "--spare"
 #: The line a spare prints once its imports are done (``procman.spare.SPARE_READY``, the same text).
 SPARE_READY = "ovrouter-spare-ready"

@@ -21,12 +21,11 @@ from procman.errors import (
     StartTimeout,
 )
 from procman.logbuffer import LogBuffer
-from procman.manager import ProcessManager
+from procman.manager import BeforeStart, ProcessManager
 from procman.notices import Evicted, Notice, Restarted, Started, Stopped, Transition
 from procman.policy import RestartPolicy, backoff_delay
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
-from procman.runtime import BeforeStart
 from procman.spare import SparePool, SpareSpec
 from procman.spawner import ProcessHandle, Spawner, SubprocessSpawner
 from procman.spec import BackendSpec, FrozenEnv

@@ -64,7 +64,7 @@ class Lease(NamedTuple):
 class Backend:
     """A model process under supervision. Built by :class:`~procman.manager.ProcessManager`."""
 
-    def __init__(self, spec: BackendSpec, runtime: Runtime) -> None:
+    def __init__(self, spec: BackendSpec, runtime: Runtime[Backend]) -> None:
         self.name = spec.name
         self.spec = spec  # through the setter: also caches its tuning
         self.state = State.STOPPED

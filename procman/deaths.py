@@ -2,7 +2,7 @@
 
 procman records a :class:`Death` for every failure of a READY process (an exit, failed health
 probes, a restart for a crash, hang or fatal error): ``Backend.death(generation)`` hands it to
-the router, whose verdict (retry, resume, or name the poison: :mod:`router.blame`) is built on
+the router, whose verdict (retry, resume, or name the poison: :mod:`router.path.blame`) is built on
 the same type and the same predicates. The policy, in one place:
 
 - *external*: a crash by a signal the process did not raise itself (``kill -9``, the OOM killer,

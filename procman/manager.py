@@ -18,13 +18,13 @@ from procman.notices import Evicted, N
 from procman.placement import NO_CLAIM, Claim, Holder, Placement, format_bytes, place, waiting_words
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
-from procman.runtime import BeforeStart, Runtime, Sleep
+from procman.runtime import Hook, Runtime, Sleep
 from procman.spare import SparePool
 from procman.spawner import Spawner, SubprocessSpawner, Where
 from procman.spec import BackendSpec
 from procman.states import State
 
-__all__ = ["ProcessManager"]
+__all__ = ["BeforeStart", "ProcessManager"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ Claims = Callable[[str], Claim]
 Budgets = Callable[[], Mapping[str, int]]
 #: An engine with nodes: the live node list, read afresh before each placement decision.
 Cluster = Callable[[], Awaitable[Sequence[Node]]]
+#: A step before a backend's start from no process (see :data:`procman.runtime.Hook`).
+BeforeStart = Hook[Backend]
 #: Suffix of the key under which a rolling change's new process is counted until it takes the name.
 NEW = " (new)"
 
@@ -79,7 +81,7 @@ class ProcessManager:
     ) -> None:
         self.runtime_dir = Path(runtime_dir).absolute()
         self.runtime_dir.mkdir(parents=True, exist_ok=True)
-        self._runtime = Runtime(
+        self._runtime = Runtime[Backend](
             allocator=AddressAllocator(self.runtime_dir, port_range),
             spawner=spawner or SubprocessSpawner(),
             prober=prober or HttpProber(),

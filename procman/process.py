@@ -92,7 +92,7 @@ class Aborted(Exception):
 
 
 async def launch(
-    rt: Runtime, spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event, where: Where | None = None
+    rt: Runtime[Any], spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event, where: Where | None = None
 ) -> Running:
     """Spawn and wait for 200 on the health path; a clashing TCP port is retried on the next one.
 
@@ -126,7 +126,7 @@ async def launch(
     raise StartFailed(f"{spec.name}: {CLASH_RETRIES} ports in a row were taken; widen router.port_range")
 
 
-async def _reach_remote(rt: Runtime, spec: BackendSpec) -> Running:
+async def _reach_remote(rt: Runtime[Any], spec: BackendSpec) -> Running:
     assert spec.url is not None
     address = Address(kind="tcp", url=spec.url)
     health = await _probe(rt, spec, address, spec.health_timeout_s)
@@ -153,7 +153,9 @@ def child_command(spec: BackendSpec, address: Address, inherit: bool = True) -> 
     return [substitute(part, values) for part in spec.argv or ()], env
 
 
-async def _spawn(rt: Runtime, spec: BackendSpec, address: Address, logs: LogBuffer, where: Where | None) -> Running:
+async def _spawn(
+    rt: Runtime[Any], spec: BackendSpec, address: Address, logs: LogBuffer, where: Where | None
+) -> Running:
     argv, env = child_command(spec, address, inherit=where is None)
     announced, on_line = _announcement(spec, env, logs.append)
     mark = logs.total
@@ -197,7 +199,9 @@ async def _first(futures: Iterable[asyncio.Future[Any]]) -> None:
     await asyncio.wait(set(futures), return_when=asyncio.FIRST_COMPLETED)
 
 
-async def _wait_ready(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer, abort: asyncio.Event) -> None:
+async def _wait_ready(
+    rt: Runtime[Any], spec: BackendSpec, running: Running, logs: LogBuffer, abort: asyncio.Event
+) -> None:
     """Poll the health path (growing intervals) until 200; a process that announces its readiness ends the
     wait the moment it does, and is polled only seldom meanwhile."""
     deadline = rt.clock() + spec.startup_timeout_s
@@ -247,7 +251,7 @@ def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: 
         raise Aborted(running)
 
 
-async def _probe(rt: Runtime, spec: BackendSpec, address: Address, timeout_s: float) -> Health | None:
+async def _probe(rt: Runtime[Any], spec: BackendSpec, address: Address, timeout_s: float) -> Health | None:
     """One health probe with the spec's method: the answer, or None when there was none in time."""
     answer = await rt.prober.check(address, spec.health_path, timeout_s, spec.health_method)
     return None if answer is None else health_of(answer, rt.clock())
@@ -303,7 +307,7 @@ def signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Running) -> Literal["crash", "hang"]:
+async def watch(rt: Runtime[Any], current: Callable[[], BackendSpec], running: Running) -> Literal["crash", "hang"]:
     """Return as soon as the process exits ("crash") or fails ``health_failures`` probes in a row ("hang").
 
     ``current()`` gives the settings of each round, so a retune applies to the next probe.
@@ -335,7 +339,7 @@ async def watch(rt: Runtime, current: Callable[[], BackendSpec], running: Runnin
             return "hang"
 
 
-async def terminate(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
+async def terminate(rt: Runtime[Any], spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
     """SIGTERM the group, wait ``stop_timeout_s``, SIGKILL the group, reap. Returns the exit code."""
     handle = running.handle
     if handle is None:
@@ -357,7 +361,7 @@ async def terminate(rt: Runtime, spec: BackendSpec, running: Running, logs: LogB
     return code
 
 
-async def kill(rt: Runtime, spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
+async def kill(rt: Runtime[Any], spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
     """SIGKILL the group at once (a hung or fatally failed process is never asked twice), then reap."""
     handle = running.handle
     if handle is None:

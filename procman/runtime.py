@@ -10,26 +10,26 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 from procman.address import AddressAllocator
 from procman.notices import Notice, Notices
 from procman.prober import Prober
 from procman.spawner import Spawner, Where
 
-if TYPE_CHECKING:
-    from procman.backend import Backend
+__all__ = ["Hook", "Runtime", "Sleep", "wait_done"]
 
-__all__ = ["BeforeStart", "Runtime", "Sleep", "wait_done"]
+#: The backend type (procman.backend.Backend, which imports this module): a parameter, so the import goes one way.
+B = TypeVar("B")
 
 Sleep = Callable[[float], Awaitable[Any]]
 #: A step before a backend's start from no process (device checks, making room); raising BackendUnavailable
-#: refuses the start.
-BeforeStart = Callable[["Backend"], Awaitable[None]]
+#: refuses the start. ``Hook[Backend]`` is procman's ``BeforeStart``.
+Hook = Callable[[B], Awaitable[None]]
 
 
 @dataclass(slots=True)
-class Runtime:
+class Runtime(Generic[B]):
     allocator: AddressAllocator
     spawner: Spawner
     prober: Prober
@@ -38,25 +38,25 @@ class Runtime:
     log_dir: Path
     notices: Notices = field(default_factory=Notices)
     #: run in order before a start from no process, then ``room`` (the manager's make_room)
-    before_start: list[BeforeStart] = field(default_factory=list)
-    room: BeforeStart | None = None
-    on_change: Callable[[Backend], None] | None = None
+    before_start: list[Hook[B]] = field(default_factory=list)
+    room: Hook[B] | None = None
+    on_change: Callable[[B], None] | None = None
     log_lines: int = 1000
     #: an engine with nodes: where a backend's start was placed (None: the local engine)
-    locate: Callable[[Backend], Where] | None = None
+    locate: Callable[[B], Where] | None = None
 
     def publish(self, notice: Notice) -> None:
         """Hand ``notice`` to its subscribers; a failing subscriber is only logged."""
         self.notices.publish(notice)
 
-    async def prepare(self, backend: Backend) -> None:
+    async def prepare(self, backend: B) -> None:
         """Run every ``before_start`` hook in order, then make room (the first that raises refuses the start)."""
         for hook in list(self.before_start):
             await hook(backend)
         if self.room is not None:
             await self.room(backend)
 
-    def changed(self, backend: Backend) -> None:
+    def changed(self, backend: B) -> None:
         """A backend handled an event (its state, in-flight count or room may have changed)."""
         if self.on_change is not None:
             self.on_change(backend)

@@ -15,20 +15,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router import request
-from router.clientapi import ClientApi
-from router.config import Config
-from router.cors import Cors
-from router.endpoint import ProxyEndpoint
-from router.errors import NotFound, RouterError, error_body, error_response
-from router.events import EventBus
-from router.management import management_routes
-from router.modelstatus import StatusBus
-from router.ollama import PREFIX as OLLAMA_PREFIX
-from router.ollama import OllamaApi
-from router.registry import Model
-from router.request import ProxyRequest
-from router.responses import (
+from router.api.clientapi import ClientApi
+from router.api.cors import Cors
+from router.api.endpoint import ProxyEndpoint
+from router.api.events import EventBus
+from router.api.management import management_routes
+from router.api.modelstatus import StatusBus
+from router.api.ollama import PREFIX as OLLAMA_PREFIX
+from router.api.ollama import OllamaApi
+from router.api.responses import (
     INPUT_TOKENS_PATH,
     RESPONSES_PATH,
     ResponsesStream,
@@ -37,8 +32,13 @@ from router.responses import (
     prepare,
     stored_response_routes,
 )
+from router.api.ui_routes import console_routes
+from router.config import Config
+from router.edge.errors import NotFound, RouterError, error_body, error_response
+from router.path import request
+from router.path.request import ProxyRequest
 from router.service import RouterService, check_key, credential_of
-from router.ui_routes import console_routes
+from router.state.registry import Model
 
 __all__ = ["build_app"]
 
@@ -55,13 +55,13 @@ OPENAI_ROUTES = (
     "/v1/audio/translations",
     "/tokenize",
     "/detokenize",
-    "/v1/messages",  # Anthropic's Messages API (errors in its shape: router.errors.body_for)
+    "/v1/messages",  # Anthropic's Messages API (errors in its shape: router.edge.errors.body_for)
     "/v1/messages/count_tokens",
 )
 
 
 class _ResponsesEndpoint(ProxyEndpoint):
-    """``POST /v1/responses`` (and ``/input_tokens``): the router's state and stream framing (router/responses.py)."""
+    """``POST /v1/responses`` (and ``/input_tokens``): state and stream framing (router/api/responses.py)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] == INPUT_TOKENS_PATH:

@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.app import build_app
-    from router.connlimits import GuardedHttpProtocol, connection_limits, raise_open_file_limit
+    from router.edge.connlimits import GuardedHttpProtocol, connection_limits, raise_open_file_limit
 
     _fault_log()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")

@@ -31,7 +31,7 @@ from modelserver.spec import (
     read_yaml,
 )
 from procman.address import DEFAULT_PORT_RANGE
-from router.budget import parse_budget
+from router.state.budget import parse_budget
 
 __all__ = ["Config", "ConfigError", "EngineSettings", "GroupSpec", "RouterSettings", "load_config", "parse_config"]
 

@@ -111,7 +111,7 @@ class Metrics:
 
     def observe_activity(self, model: str, queue_s: float, ttft_s: float | None, itl_s: float | None,
                          prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """A finished request's figures (see router.activity)."""
+        """A finished request's figures (see router.api.activity)."""
         key = (model,)
         self.queue_wait.observe(key, queue_s)
         if ttft_s is not None:

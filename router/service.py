@@ -12,16 +12,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from procman import BackendUnavailable, ProcessManager, State
+from router.api.console import Console
+from router.api.events import EventBus
+from router.api.responses_store import ResponseStore
 from router.config import Config, ConfigError, load_config
-from router.console import Console
-from router.devices import DeviceGuard
-from router.errors import Unauthorized
-from router.events import EventBus
+from router.edge.errors import Unauthorized
+from router.edge.upstream import Upstream, UpstreamPool
 from router.metrics import Metrics
-from router.registry import Registry
 from router.reload import watch_config
-from router.responses_store import ResponseStore
-from router.upstream import Upstream, UpstreamPool
+from router.state.devices import DeviceGuard
+from router.state.registry import Registry
 
 __all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key", "credential", "credential_of"]
 
@@ -72,11 +72,11 @@ class RouterService:
         self.metrics = metrics or Metrics()
         self.registry = Registry(config, self.metrics, manager)
         self.devices = DeviceGuard(self.registry, config.router.device_failure_threshold)  # unhealthy devices
-        self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.events)
-        self.console = Console(self)
-        self.registry.residency.publish = self.events.publish  # evict and rolling events
+        self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.api.events)
         self.pool: Upstream = upstream or UpstreamPool()
-        self.responses = ResponseStore(self._store_limits)  # finished Responses (router/responses.py)
+        self.console = Console(self.registry, self.metrics, self.events, self.pool)
+        self.registry.residency.publish = self.events.publish  # evict and rolling events
+        self.responses = ResponseStore(self._store_limits)  # finished Responses (router/api/responses.py)
         self.started_at = time.time()
         self.last_reload: dict[str, Any] = {"ok": True, "at": None, "source": "start", "errors": [], "diff": None}
         self._reload_lock = asyncio.Lock()

@@ -1,8 +1,8 @@
 """The whole router in-process, over fakes: procman under a fake spawner/prober/clock and a fake
-:class:`router.upstream.Upstream`. Requests go straight into the ASGI app; no socket, no process.
+:class:`router.edge.upstream.Upstream`. Requests go straight into the ASGI app; no socket, no process.
 
     async with fake_router(tmp_path, {"echo": fake_model()}) as router:
-        router.upstream.handler = my_handler           # what the "backend" answers
+        router.edge.upstream.handler = my_handler           # what the "backend" answers
         reply = await router.post("/v1/chat/completions", chat("echo"))
 """
 
@@ -21,7 +21,7 @@ import httpx
 from procman import Address
 from router.app import build_app
 from router.config import parse_config
-from router.httpclient import UpstreamTimeout
+from router.edge.httpclient import UpstreamTimeout
 from router.service import RouterService
 from tests.procman_fakes import FakeProcess, Harness
 
@@ -109,7 +109,7 @@ async def echo(call: Call) -> FakeReply:
 
 
 class FakeUpstream:
-    """An :class:`router.upstream.Upstream` that asks ``handler`` instead of opening a connection."""
+    """An :class:`router.edge.upstream.Upstream` that asks ``handler`` instead of opening a connection."""
 
     def __init__(self, harness: Harness) -> None:
         self.harness = harness

@@ -15,8 +15,8 @@ import uvicorn
 import yaml
 
 from router.app import build_app
-from router.coalesce import CoalescingHttpToolsProtocol
 from router.config import load_config
+from router.edge.coalesce import CoalescingHttpToolsProtocol
 from router.service import RouterService
 
 

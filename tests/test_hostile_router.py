@@ -24,9 +24,9 @@ import httpx
 import psutil
 import pytest
 
-from router.body import MAX_JSON_DEPTH, check_depth, read_body
-from router.errors import BadRequest, PayloadTooLarge, RouterBusy
-from router.limits import BodyBudget
+from router.edge.body import MAX_JSON_DEPTH, check_depth, read_body
+from router.edge.errors import BadRequest, PayloadTooLarge, RouterBusy
+from router.state.limits import BodyBudget
 from tests.hostile_corpus import corpus, fault
 from tests.modelserver_helpers import free_port
 from tests.router_helpers import fake_model, write_config
@@ -521,7 +521,7 @@ async def test_beyond_max_connections_the_longest_idle_is_closed_and_only_all_bu
     import uvicorn
     from uvicorn.server import ServerState
 
-    from router.connlimits import ConnectionLimits, GuardedHttpProtocol
+    from router.edge.connlimits import ConnectionLimits, GuardedHttpProtocol
 
     config = uvicorn.Config(_app_reading_a_body, loop="none", log_level="critical")
     config.load()
@@ -558,7 +558,7 @@ async def test_a_stalled_body_is_a_408_unless_the_router_itself_holds_reading_pa
     import uvicorn
     from uvicorn.server import ServerState
 
-    from router.connlimits import ConnectionLimits, GuardedHttpProtocol
+    from router.edge.connlimits import ConnectionLimits, GuardedHttpProtocol
 
     read_now = asyncio.Event()
 

@@ -173,7 +173,7 @@ async def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event(tmp_path
 
 def test_metrics_count_the_cache_reads_in_a_messages_prompt() -> None:
     """Messages usage keeps cache reads out of input_tokens; the router's prompt-token figure adds them back."""
-    from router.activity import RequestRecord, _Watcher
+    from router.api.activity import RequestRecord, _Watcher
 
     async def send(message: Any) -> None: ...
 
@@ -191,8 +191,8 @@ def test_metrics_count_the_cache_reads_in_a_messages_prompt() -> None:
 
 def test_a_resumed_stream_keeps_the_first_prompts_split_of_cache_reads() -> None:
     """The continuation runs on a fresh process (no cache): its usage says the first prompt, as it was split."""
-    from router.resume import Progress
-    from router.resume_anthropic import MessagesSplice
+    from router.path.resume import Progress
+    from router.path.resume_anthropic import MessagesSplice
 
     first = {"input_tokens": 6, "output_tokens": 0, "cache_read_input_tokens": 32}
     seen = Progress(tokens=5, role_sent=True, usage=first)

@@ -15,7 +15,7 @@ from procman.placement import Holder
 from procman.prober import HttpProber
 from procman.process import TOKEN_ENV, child_command
 from procman.spec import BackendSpec
-from router.upstream import UpstreamPool
+from router.edge.upstream import UpstreamPool
 from tests.modelserver_helpers import amodelserver
 
 GIB = 1024**3
@@ -121,7 +121,7 @@ def test_a_node_whose_device_is_unhealthy_is_avoided() -> None:
 
 
 def test_device_health_is_kept_per_node() -> None:
-    from router.devices import DeviceHealth
+    from router.state.devices import DeviceHealth
 
     health = DeviceHealth(threshold=2)
     health.record_fatal("aaaaaaaa/GPU.0", "m1")

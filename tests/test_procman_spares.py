@@ -196,8 +196,8 @@ def test_no_spare_outlives_a_sigkilled_router(tmp_path: Path) -> None:
 def test_router_spare_interpreters_becomes_the_pools_settings(tmp_path: Path) -> None:
     from modelserver.spec import SPEC_ENV
     from router.config import load_config
-    from router.launch import backend_spec
-    from router.launch import spare_spec as router_spare_spec
+    from router.state.launch import backend_spec
+    from router.state.launch import spare_spec as router_spare_spec
 
     config = load_config(write_config(tmp_path, {"a": fake_model()}, router={"spare_interpreters": 2}))
     spec = router_spare_spec(config)

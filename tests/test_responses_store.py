@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.responses_store import ResponseStore
+from router.api.responses_store import ResponseStore
 
 
 class Clock:

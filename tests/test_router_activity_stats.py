@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from router.activity import ModelStats, RequestRecord
+from router.api.activity import ModelStats, RequestRecord
 
 
 def _record(id_: int, started_at: float, status: int, ttft_s: float | None = None, tokens: int | None = None,

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from procman import State
-from router.httpclient import UpstreamError
+from router.edge.httpclient import UpstreamError
 from router.vllm_metrics import VLLM_NAMES
 from tests.procman_fakes import FakeProcess, settle
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router

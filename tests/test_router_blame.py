@@ -1,4 +1,4 @@
-"""Whose fault a death was (router/blame.py): one row per rule."""
+"""Whose fault a death was (router/path/blame.py): one row per rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from procman.deaths import Death
-from router.blame import verdict
+from router.path.blame import verdict
 
 SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from router.coalesce import CoalescingTransport
+from router.edge.coalesce import CoalescingTransport
 
 
 class FakeTransport:

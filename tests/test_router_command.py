@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import router.recovery
+import router.path.recovery
 from router.config import ConfigError, load_config
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
 
@@ -80,7 +80,7 @@ async def until(predicate: Callable[[], Any], timeout_s: float = 30.0) -> None:
 async def test_a_stream_a_health_probe_cuts_is_reported_as_an_upstream_close_and_restarts_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str, path: str
 ) -> None:
-    monkeypatch.setattr(router.recovery, "DEATH_GRACE_S", 0.2)  # the process stays alive: this only speeds the test
+    monkeypatch.setattr(router.path.recovery, "DEATH_GRACE_S", 0.2)  # only speeds the test up
     llama = standin("--cut", cut, health_path="/v1/models", health_interval_s=0.05)  # llama-cpp-python as issue 17
     async with running_router(write_config(tmp_path, {"llama": llama})) as r:
         events = await stream(r, path)  # the stand-in holds the stream until a probe cuts it: it cannot end alone

@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from modelserver.spec import ModelSpec, build_model_spec
-from router.body import model_of, read_body
 from router.config import ConfigError, load_config, missing_paths, parse_config
-from router.errors import BadRequest, PayloadTooLarge, TooManyRequests
-from router.launch import backend_spec
-from router.limits import Limiter
+from router.edge.body import model_of, read_body
+from router.edge.errors import BadRequest, PayloadTooLarge, TooManyRequests
 from router.reload import diff
+from router.state.launch import backend_spec
+from router.state.limits import Limiter
 
 ROOT = Path(__file__).resolve().parent.parent
 

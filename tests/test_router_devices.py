@@ -1,8 +1,8 @@
-"""Device health bookkeeping (router/devices.py): pure, with a fake clock."""
+"""Device health bookkeeping (router/state/devices.py): pure, with a fake clock."""
 
 from __future__ import annotations
 
-from router.devices import DeviceHealth
+from router.state.devices import DeviceHealth
 
 
 class Clock:

@@ -1,11 +1,11 @@
-"""router.events: fan-out, kind filters, bounded queues, SSE encoding."""
+"""router.api.events: fan-out, kind filters, bounded queues, SSE encoding."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from router.events import EventBus, sse_comment
+from router.api.events import EventBus, sse_comment
 
 
 async def test_every_subscriber_gets_every_event_in_order() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from procman import State
-from router.httpclient import UpstreamError
+from router.edge.httpclient import UpstreamError
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router
 from tests.test_router_inprocess import fatal_reply, model, sse
 

@@ -1,4 +1,4 @@
-"""router/httpclient.py against an in-process asyncio server that answers exactly what each test
+"""router/edge/httpclient.py against an in-process asyncio server that answers exactly what each test
 scripts: sized, chunked and close-delimited bodies, HEAD, a stale keep-alive socket, a malformed
 head, the never-resend rule, timeouts and pause/resume at the high-water mark."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from router import httpclient
-from router.httpclient import ConnectionPool, UpstreamError, UpstreamTimeout
+from router.edge import httpclient
+from router.edge.httpclient import ConnectionPool, UpstreamError, UpstreamTimeout
 
 pytestmark = pytest.mark.timeout(20)
 

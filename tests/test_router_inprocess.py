@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import router.loading
-import router.recovery
+import router.path.loading
+import router.path.recovery
 from procman import State
-from router.httpclient import UpstreamError, UpstreamTimeout
+from router.edge.httpclient import UpstreamError, UpstreamTimeout
 from tests.router_fakes import Call, FakeReply, chat, echo, fake_router
 
 pytestmark = pytest.mark.timeout(30)
@@ -193,7 +193,7 @@ async def test_a_stalled_stream_kills_its_process_as_hung_and_resumes(tmp_path: 
 
 
 async def test_unreachable_live_backend_is_502_not_a_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.recovery, "DEATH_GRACE_S", 0.01)
+    monkeypatch.setattr(router.path.recovery, "DEATH_GRACE_S", 0.01)
     async with fake_router(tmp_path, {"echo": model()}) as r:
         async def refuse(call: Call) -> FakeReply:
             raise UpstreamError("cannot connect to the backend: connection refused")
@@ -327,7 +327,7 @@ async def test_group_evicts_the_idle_model_and_waits_for_a_busy_one(tmp_path: Pa
 
 async def test_the_loading_ticker_stops_once_the_model_is_ready(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.loading, "TICK_S", 0.01)
+    monkeypatch.setattr(router.path.loading, "TICK_S", 0.01)
     async with fake_router(tmp_path, {"echo": model(loading_progress="reasoning")}) as r:
         arrived, answer = asyncio.Event(), asyncio.Event()
 
@@ -360,7 +360,7 @@ async def test_an_endpoint_of_another_task_is_a_400_naming_the_task_and_starts_n
 
 def test_the_routers_endpoint_tasks_match_what_each_task_serves() -> None:
     from modelserver.tasks import TASK_ROUTES
-    from router.request import ENDPOINT_TASKS
+    from router.path.request import ENDPOINT_TASKS
 
     served = {(route.path, task) for task, routes in TASK_ROUTES.items() for route in routes}  # type: ignore[attr-defined]
     wanted = {(path, task) for path, tasks in ENDPOINT_TASKS.items() for task in tasks}

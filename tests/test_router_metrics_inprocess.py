@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import router.loading
+import router.path.loading
 from procman import State
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, fake_router
 from tests.test_router_metrics import _samples, _value
@@ -103,7 +103,7 @@ async def cold_stream(r: FakeRouter, name: str, reply: Exchange, **extra: object
 
 async def test_streams_waiting_on_a_start_get_comment_lines_first(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.loading, "TICK_S", 0.01)
+    monkeypatch.setattr(router.path.loading, "TICK_S", 0.01)
     async with fake_router(tmp_path, {"m": model(loading_progress="comments")}) as r:
         r.upstream.handler = words
         cold = Exchange()
@@ -122,7 +122,7 @@ async def test_streams_waiting_on_a_start_get_comment_lines_first(tmp_path: Path
 
 async def test_a_failed_start_after_the_head_is_one_error_event(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(router.loading, "TICK_S", 0.01)
+    monkeypatch.setattr(router.path.loading, "TICK_S", 0.01)
     async with fake_router(tmp_path, {"m": model(loading_progress="comments")}) as r:
         reply = Exchange()
         sent = await cold_stream(r, "m", reply)

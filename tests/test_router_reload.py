@@ -16,7 +16,7 @@ import yaml
 from procman import State
 from router.config import parse_config
 from router.metrics import Metrics
-from router.registry import Registry
+from router.state.registry import Registry
 from tests.procman_fakes import Harness
 from tests.router_helpers import fake_model, running_router, write_config
 from tests.test_router_proxy import alive, chat, wait_for
@@ -102,7 +102,7 @@ async def test_a_reload_that_adds_a_model_whose_path_is_missing_warns(tmp_path: 
     path = write_config(tmp_path, {"echo": fake_model()})
     async with running_router(path) as router:
         rewrite(path, lambda d: d["models"].update({"ghost": {"path": "nowhere.gguf"}}))
-        with caplog.at_level("WARNING", logger="router.registry"):
+        with caplog.at_level("WARNING", logger="router.state.registry"):
             assert (await router.client.post("/api/reload")).json()["diff"]["added"] == ["ghost"]
         assert f"models.ghost.path: {tmp_path / 'nowhere.gguf'} does not exist" in caplog.text
         assert "models.echo" not in caplog.text

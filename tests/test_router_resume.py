@@ -1,4 +1,4 @@
-"""Resuming a stream (router/resume.py): whole events only, progress read back, the continuation body,
+"""Resuming a stream (router/path/resume.py): whole events only, progress read back, the continuation body,
 and the splice — checked against the fake engine's real SSE output, in process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import httpx
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeTextGenerator
 from modelserver.spec import build_model_spec
-from router.resume import Splice, StreamLog, continuation, events, fatal_event, plan, progress
+from router.path.resume import Splice, StreamLog, continuation, events, fatal_event, plan, progress
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta"
 

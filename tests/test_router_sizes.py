@@ -1,4 +1,4 @@
-"""router.budget (sizes with units, auto) and router.sizes (measured peaks persisted, estimates)."""
+"""router.state.budget (sizes with units, auto) and router.state.sizes (measured peaks persisted, estimates)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from modelserver.spec import build_model_spec
-from router.budget import budget_device, parse_budget, parse_size, physical_memory_bytes, resolve_budget
-from router.sizes import ESTIMATE_FACTOR, ESTIMATE_OVERHEAD_BYTES, SizeStore, files_bytes
+from router.state.budget import budget_device, parse_budget, parse_size, physical_memory_bytes, resolve_budget
+from router.state.sizes import ESTIMATE_FACTOR, ESTIMATE_OVERHEAD_BYTES, SizeStore, files_bytes
 
 M = 1024 * 1024
 G = 1024 * M
@@ -165,7 +165,7 @@ class _Backend:
 
 async def test_memory_watch_records_what_the_last_health_answer_reports(tmp_path: Path) -> None:
     from procman.prober import Health
-    from router.memwatch import MemoryWatch
+    from router.state.memwatch import MemoryWatch
 
     store = SizeStore(tmp_path / "memory.json")
     model = spec("m", engine="fake")
@@ -183,7 +183,7 @@ async def test_memory_watch_records_what_the_last_health_answer_reports(tmp_path
 async def test_memory_watch_reads_a_command_backends_peak_from_proc(tmp_path: Path) -> None:
     import os
 
-    from router.memwatch import MemoryWatch, peak_rss_of
+    from router.state.memwatch import MemoryWatch, peak_rss_of
 
     store = SizeStore(None)
     command = spec("c", command=["srv", "${SOCKET}"])
@@ -193,7 +193,7 @@ async def test_memory_watch_reads_a_command_backends_peak_from_proc(tmp_path: Pa
 
 
 def test_budgets_now_resolves_auto_with_reported_gpu_totals(tmp_path: Path) -> None:
-    from router.memwatch import budgets_now
+    from router.state.memwatch import budgets_now
 
     store = SizeStore(None)
     models = [spec("g", path=str(tmp_path), device="GPU.1"), spec("r", url="http://127.0.0.1:9", device="GPU.2")]

@@ -1,4 +1,4 @@
-"""No innocent request lost to a poison one (router/recovery.py's suspect lane, router/blame.py's rule),
+"""No innocent request lost to a poison one (router/path/recovery.py's suspect lane, router/path/blame.py's rule),
 in-process over fakes: a poison request crashes every process it reaches; the requests caught beside it
 are retried one at a time, so they are served and the poison one is named — also when the death lands
 in an unload's drain, a rolling or stop-first restart, or an eviction. Every test is bounded: nothing
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from router.httpclient import UpstreamError
-from router.lane import SuspectLane
+from router.edge.httpclient import UpstreamError
+from router.state.lane import SuspectLane
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router
 
 pytestmark = pytest.mark.timeout(30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from procman import Address
-from router.upstream import UpstreamPool
+from router.edge.upstream import UpstreamPool
 
 
 async def test_the_pool_of_a_process_whose_socket_is_gone_is_closed(tmp_path: Path) -> None:

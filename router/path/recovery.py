@@ -1,0 +1,383 @@
+"""One client request across the processes it may outlive: retry, resume, or name the poison.
+
+:func:`forward` (called by ``router.path.proxy.forward``) sends the request to a leased process.
+When that process dies under it — it exits, it is killed as hung, it answers
+``X-Backend-Fatal: 1`` or a fatal error event mid-stream, or its stream stalls for
+``stall_timeout_s`` while it still answers health probes — :func:`router.path.blame.verdict`
+decides: a request with nothing sent yet is sent again to the fresh process, a stream
+under way is resumed there (:mod:`router.path.resume`: the client's stream goes on, same ids,
+no second role delta), a request that is the likely cause is answered naming itself
+(``request_crashed_model``), and any other gets one short line. One retry or resume per
+request (``max_resumes`` for streams); the fresh process is waited for within the
+request's own bounds (the backend parks it while it restarts).
+
+A stream is resumable when :func:`router.path.resume.plan` says so; everything else takes the
+plain path of :func:`router.path.relay.relay`, chunk by chunk, unchanged.
+
+**Suspects run one at a time.** The requests of a death shared by several (:func:`router.path.blame.suspect`)
+take their second try through the model's *suspect lane* (:class:`router.state.lane.SuspectLane`), one at a
+time, and new requests of the model wait while suspects are served, so a poison request's retry runs
+alone: it takes nobody down with it and is the one named, and the innocent ones are served. The lane
+is taken before the lease and given back when the suspect's answer begins (the response head; a
+resumed stream's first event) — a poison request would have taken the process down before — or after
+:func:`_lane_hold_s` at most (the time a hang needs to be found); a new request waits ``ORDINARY_WAIT_S``
+at most (a poison that crashes shows at once; beside a hung one, a new request dies as a suspect and is
+retried in turn).
+Requests already running are never waited for.
+
+**Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56; the soak's logs were not
+kept, so this is read from the code). Its gate chained three waits. (1) A suspect waited for *every*
+request running before it to end — a stream of any length, or a request parked behind a drain
+(``drain_timeout_s``, 300 s by default) — while every new request of the model waited for the suspect:
+the model's whole traffic stopped for as long as the longest of those. (2) A suspect held the gate to
+the end of its answer, a whole resumed stream included. (3) A request awaited its process's restart
+(``await backend.restart(...)``, after a fatal event or a stall) *inside* its lease and its turn at the
+gate; procman answers a restart command only once the backend is settled and not draining
+(``Backend._settling``), and a drain (an unload, a stop-first reload, the retiring process of a rolling
+change) waits for every lease to end — so a restart naming a process already replaced while its
+successor drained waited for the drain, the drain for the request's lease: a true cycle, broken only by
+``drain_timeout_s``, with the gate holding the model's other requests behind it. The chaos soak's clients
+give up after 60 s, and saw any of these as a deadlock. Now nothing awaits a command while holding a
+lease (the restart is queued: procman takes it in before any later request, so the next attempt lands
+on the fresh process, and the attempt's own lease waits for readiness); running requests are never
+waited for; a suspect gives the lane back when its answer begins, or after a bound; and a new request
+waits for the suspects a bounded time. Suspects wait for each other, new requests for the suspects,
+neither holding a lease, and every wait ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import Send
+
+from procman import Backend, BackendUnavailable, Lease
+from procman.deaths import Death, external
+from procman.process import exit_words
+from router.edge.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
+from router.edge.httpclient import UpstreamError, UpstreamTimeout
+from router.edge.upstream import Upstream, UpstreamReply
+from router.path.blame import suspect, verdict
+from router.path.framing import OPENAI, Framing, framing_of
+from router.path.relay import DEATH_GRACE_S, RESPONSE_DROP, Relayed, cut_reason, relay
+from router.path.request import ProxyRequest
+from router.path.resume import OPENAI_RESUMER, Plan, Resumer, Streamed, StreamLog, fatal_event, finished, plan
+from router.path.resume_anthropic import ANTHROPIC_RESUMER
+from router.state.registry import Model
+
+__all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
+
+log = logging.getLogger(__name__)
+
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+#: How long a new request waits while suspects are served: time for a poison request that crashes its
+#: process at once to show (then its retry ran alone); a hang takes longer, and new requests go on beside it.
+ORDINARY_WAIT_S = 5.0
+#: How a stream of each kind (router.path.resume.plan) is read back, continued and spliced.
+RESUMERS: dict[str, Resumer] = {"chat": OPENAI_RESUMER, "completion": OPENAI_RESUMER, "responses": OPENAI_RESUMER,
+                               "messages": ANTHROPIC_RESUMER}
+
+
+class RequestCrashedModel(BadGateway):
+    """This request is the likely cause of its process's death (a poison request)."""
+
+    code = "request_crashed_model"
+
+
+@dataclass(slots=True)
+class Job:
+    """A client request and what happened to it so far."""
+
+    model: Model
+    req: ProxyRequest
+    pool: Upstream
+    send: Send
+    plan: Plan | None
+    tries: int = 0  # retries and resumes taken
+    suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
+    leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
+    deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
+    body: bytes = b""
+    backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
+    log: StreamLog | None = None
+    splice: Streamed | None = None
+    head_sent: bool = False
+    status: int = 0
+    _lines: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.model.spec.name
+
+    @property
+    def framing(self) -> Framing:
+        return framing_of(self.req.path) or OPENAI
+
+    def budget(self) -> int:
+        """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs."""
+        if self.head_sent:
+            return self.model.spec.max_resumes if self.plan is not None else 0
+        return 1 if self.model.spec.retry_on_fatal else 0
+
+
+async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -> int:
+    """Proxy ``req`` to ``model`` and relay the answer; returns the HTTP status the client got."""
+    streamed = not req.retryable
+    resumable = plan(req.path, req.body, model.spec.default_max_tokens, model.spec.launches_modelserver) \
+        if streamed and model.spec.max_resumes > 0 else None
+    job = Job(model, req, pool, send, resumable, body=req.body)
+    async with model.limiter:
+        while True:
+            try:
+                async with _lane(job):
+                    job.backend = model.backend
+                    async with job.backend.request() as lease:
+                        result = await _attempt(job, lease)
+            except BackendUnavailable as exc:
+                if job.backend is not model.backend:
+                    continue  # a rolling change replaced (closed) it while this request waited: the new one
+                if not job.head_sent:
+                    raise unavailable(model.spec.name, exc) from None
+                return await _end_stream(job, f"model {job.name!r} could not be restarted", "model_unavailable")
+            if result is not None:
+                return result
+
+
+async def _attempt(job: Job, lease: Lease) -> int | None:
+    """One exchange with one process: the status relayed, or None to go again on a fresh process."""
+    spec = job.model.spec
+    try:
+        resp = await job.pool.request(lease.address, job.req.method, spec.path_prefix + job.req.path,
+                                      job.req.headers, job.body, spec.request_timeout_s)
+    except UpstreamTimeout:
+        return await _fail(job, GatewayTimeout(
+            f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))
+    except UpstreamError as exc:
+        return await _died(job, lease, None, str(exc))
+    try:
+        if resp.header(b"x-backend-fatal") == b"1":
+            return await _died(job, lease, "fatal", await _detail(resp))
+        if job.leave_lane is not None and not job.head_sent:  # it answered: a poison would have taken the
+            job.leave_lane()  # process down first (a resumed stream gives the lane back at its first event)
+        if job.plan is None:
+            return await _relay(job, lease, resp)
+        return await _relay_resumable(job, lease, resp)
+    finally:
+        resp.close()
+
+
+async def _relay(job: Job, lease: Lease, resp: UpstreamReply) -> int:
+    """The plain path: chunk by chunk; a chat, completion or Messages stream cut short is told what was seen."""
+    return await relay(job.model, resp, job.send, lease, framing=framing_of(job.req.path), grace_s=DEATH_GRACE_S)
+
+
+async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int | None:
+    """Relay a stream whole event by whole event, watching for a death, a fatal event or a stall."""
+    spec = job.model.spec
+    if not job.head_sent:
+        if resp.status != 200 or not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return await _relay(job, lease, resp)
+        headers = [(k, v) for k, v in resp.raw_headers if k.decode("latin-1") not in RESPONSE_DROP]
+        await job.send({"type": "http.response.start", "status": 200, "headers": headers})
+        job.head_sent, job.status, job.log = True, 200, StreamLog(job.framing)
+    elif resp.status != 200:  # the continuation was refused: end the stream with its reason
+        return await _end_stream(job, f"model {job.name!r} could not continue the answer: {await _detail(resp)}",
+                                 "backend_error")
+    stall_s = min(spec.stall_timeout_s, spec.stream_idle_timeout_s)
+    try:
+        async for chunk in resp.iter_chunks(stall_s):
+            if fatal_event(chunk):
+                cut = chunk.find(job.framing.error_starts)
+                cut = cut if cut >= 0 else chunk.find(b"event: response.failed")
+                await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
+                return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
+            await _relay_chunk(job, chunk)
+            if job.leave_lane is not None:  # the continuation flows: the next suspect need not wait for its end
+                job.leave_lane()
+    except UpstreamTimeout:
+        if spec.stall_timeout_s >= spec.stream_idle_timeout_s:
+            return await _end_stream(job, f"model {job.name!r} sent nothing for stream_idle_timeout_s="
+                                     f"{spec.stream_idle_timeout_s:g}s", "backend_error")
+        log.warning("%s: a stream got no token for stall_timeout_s=%gs; killing the process as hung",
+                    job.name, spec.stall_timeout_s)
+        return await _died(job, lease, "stall", f"no token for {spec.stall_timeout_s:g}s")
+    except UpstreamError as exc:
+        return await _died(job, lease, None, str(exc))
+    tail = job.splice.rest() if job.splice is not None else job.log.rest() if job.log is not None else b""
+    if not _finished(job, tail):  # closed without [DONE]: a death (resumed), or a cut by a live process
+        return await _died(job, lease, None, "the stream ended without [DONE]")
+    await job.send({"type": "http.response.body", "body": tail})
+    return job.status
+
+
+def _finished(job: Job, tail: bytes) -> bool:
+    assert job.plan is not None  # StreamLog holds the closing [DONE] back until the stream ended cleanly
+    return finished(job.plan.kind, tail, job.log.sent if job.log is not None else [])
+
+
+async def _relay_chunk(job: Job, chunk: bytes) -> None:
+    assert job.log is not None
+    if job.splice is not None:
+        out = job.splice.feed(chunk)
+        if out:
+            job.log.sent.append(out)
+    else:
+        out = job.log.cut(chunk)
+    if out:
+        await job.send({"type": "http.response.body", "body": out, "more_body": True})
+
+
+async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int | None:
+    """The process behind ``lease`` failed this request; decide between going again and answering."""
+    backend = job.backend or job.model.backend  # the lease's own: a retiring process is killed as hung too
+    in_flight = backend.in_flight
+    if cause in ("fatal", "stall"):
+        why = f"a stream got no token for stall_timeout_s={job.model.spec.stall_timeout_s:g}s" \
+            if cause == "stall" else None
+        restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why)
+        death = Death(cause, None, in_flight)  # type: ignore[arg-type]
+    else:
+        restart = None
+        await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
+        if not lease.exited.done():
+            return await _fail(job, BadGateway(await _alive_words(job, lease)))
+        death = _death_of(backend, lease, in_flight)
+    job.deaths.append(lease.generation)
+    if restart is not None:  # queued now: the next attempt lands on the fresh process; never awaited
+        _background(restart)  # inside a lease (a drain would wait for the lease, the answer for the drain)
+    choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
+    if choice == "again" and job.tries < job.budget() and _prepare_again(job):
+        job.tries += 1
+        job.suspect = suspect(death)
+        log.warning("%s: the process died under a request (%s, %s: %s); %s on a fresh process%s", job.name,
+                    death.cause, exit_words(death.code), detail,
+                    "resuming the stream" if job.head_sent else "retrying once",
+                    ", one suspect at a time" if job.suspect else "")
+        return None
+    if choice == "blame" or (job.tries and not external(death)):  # a second death: a suspect's (maybe a
+        backend.forgive(job.deaths)  # neighbour's) doing, not the model's: no failure toward the backoff
+    if choice == "blame":
+        log.warning("%s: the request is the likely cause of its process's death (%s: %s); not sent again",
+                    job.name, death.cause, detail)
+        return await _fail(job, RequestCrashedModel(_blame_message(job, death)))
+    if death.cause == "fatal":
+        return await _fail(job, ServiceUnavailable(
+            f"model {job.name!r} hit an unrecoverable engine error and is being restarted: {detail}",
+            retry_after_s=2.0))
+    return await _fail(job, BadGateway(_death_message(job, death)))
+
+
+@asynccontextmanager
+async def _lane(job: Job) -> AsyncIterator[None]:
+    """A suspect's turn in the model's suspect lane; an ordinary request first waits for the suspects."""
+    lane = job.model.suspects
+    if not job.suspect:
+        await lane.ordinary(ORDINARY_WAIT_S)
+        yield
+        return
+    async with lane.suspect(_lane_hold_s(job)) as leave:
+        job.leave_lane = leave
+        try:
+            yield
+        finally:
+            job.leave_lane = None
+
+
+def _lane_hold_s(job: Job) -> float:
+    """How long a suspect keeps the lane at most (it gives it back as soon as its answer begins): time for a
+    poison request to show — a crash at once, a hang once every probe failed — then the next suspect goes."""
+    spec = job.model.spec
+    probes = spec.health_failures * (spec.health_interval_s + spec.health_timeout_s) if spec.health_interval_s else 0
+    return min(probes + 10.0, 120.0)
+
+
+def _death_of(backend: Backend, lease: Lease, in_flight: int) -> Death:
+    """How the process behind ``lease`` ended, as the backend saw it (or as the lease tells)."""
+    known = backend.death(lease.generation)
+    if known is not None:
+        return known
+    code = None
+    if lease.exited.done() and not lease.exited.cancelled() and lease.exited.exception() is None:
+        code = int(lease.exited.result())
+    return Death("crash", code, in_flight)
+
+
+def _prepare_again(job: Job) -> bool:
+    """Set the next attempt's body: the same request, or the continuation of the stream; False when done."""
+    if not job.head_sent:
+        job.body = job.req.body
+        return True
+    assert job.plan is not None and job.log is not None
+    resumer = RESUMERS[job.plan.kind]
+    seen = resumer.progress(job.log)
+    if seen.done or seen.finish is not None:
+        return False  # the answer was complete: nothing to resume
+    rest = resumer.continuation(job.plan, seen)
+    if rest is None:
+        return False
+    job.body = json.dumps(rest).encode()
+    job.splice = resumer.splice(seen)
+    return True
+
+
+def _blame_message(job: Job, death: Death) -> str:
+    what = {"hang": "hung", "crash": "crashed", "fatal": "failed fatally", "stall": "stalled"}[death.cause]
+    again = " again on the retry" if job.tries else " while handling this request and no other"
+    return (f"model {job.name!r} {what}{again}; this request is the likely cause and is not retried "
+            "(the model was restarted)")
+
+
+def _death_message(job: Job, death: Death) -> str:
+    what = {"hang": "hung", "crash": "died", "fatal": "failed fatally", "stall": "stalled"}[death.cause]
+    how = f": its process {exit_words(death.code)}" if death.cause == "crash" and death.code is not None else ""
+    return f"model {job.name!r} {what} while handling the request{how}; it is being restarted, retry the request"
+
+
+async def _alive_words(job: Job, lease: Lease) -> str:
+    """The connection broke but the process runs on: say so (a stream: how far it got), restart nothing."""
+    if not job.head_sent:
+        return f"model {job.name!r} could not be reached; retry the request"
+    chunks = sum(event.count(b"data:") for event in job.log.sent) if job.log is not None else 0
+    return await cut_reason(job.model, lease, chunks, grace_s=0.0)
+
+
+async def _fail(job: Job, error: RouterError) -> int:
+    """Answer ``error``: as the response when nothing was sent, else as the stream's last event."""
+    if not job.head_sent:
+        raise error
+    return await _end_stream(job, error.message, error.code, error.status)
+
+
+async def _end_stream(job: Job, message: str, code: str, status: int = 502) -> int:
+    await job.send({"type": "http.response.body", "body": job.framing.error(message, code, status), "more_body": True})
+    await job.send({"type": "http.response.body", "body": b""})
+    raise Relayed(job.status)
+
+
+async def _detail(resp: UpstreamReply) -> str:
+    try:
+        body = await resp.read(idle_timeout_s=5.0)
+    except UpstreamError:
+        return "no detail"
+    try:
+        return str(json.loads(body)["error"]["message"]).splitlines()[0][:300]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return body[:300].decode("utf-8", "replace").splitlines()[0] if body else "no detail"
+
+
+def _background(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)  # the loop keeps only a weak reference to a task
+    task.add_done_callback(_background_done)
+
+
+def _background_done(task: asyncio.Task[Any]) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background restart failed: %s", task.exception())
