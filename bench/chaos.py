@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -77,6 +78,7 @@ class Tally:
     seconds: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (model, cause) -> durations
     markers: list[tuple[str, str, float, float]] = field(default_factory=list)  # (model, marker, start, end)
     failed: list[tuple[str, str, float, float]] = field(default_factory=list)  # clean: (model, cause, start, end)
+    wall_offset: float = field(default_factory=lambda: time.time() - time.monotonic())  # monotonic -> wall clock
 
     def beside(self, kinds: tuple[str, ...] = BESIDE) -> list[tuple[str, str, float, float]]:
         """Clean failures while a marker request of ``kinds`` to the same model was in flight."""
@@ -299,6 +301,10 @@ def report(tally: Tally, orphans: list[psutil.Process], seconds: float) -> list[
     beside = tally.beside()
     print(f"garbled answers: {len(tally.garbled)}  clean requests failed beside {'/'.join(BESIDE)}: {len(beside)} "
           f"(of {len(tally.failed)} clean failures; {Counter(f[1] for f in beside)})")
+    for model, cause, start, end in sorted(tally.failed, key=lambda f: f[2]):
+        at = time.strftime("%H:%M:%S", time.localtime(start + tally.wall_offset))
+        print(f"  clean failure: {model} {cause} sent {at} after {end - start:.1f} s"
+              f"{' (beside a marker)' if (model, cause, start, end) in beside else ''}")
     reasons = []
     if tally.garbled:
         reasons.append(f"{len(tally.garbled)} garbled answer(s): {tally.garbled[:5]}")
@@ -324,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markers", help="comma-separated fault markers to send (default: all of them)")
     parser.add_argument("--no-wrapped", action="store_true", help="leave out the shell-wrapped command: model")
     parser.add_argument("--actions", help=f"comma-separated chaos actions (default: {','.join(sorted(set(ACTIONS)))})")
+    parser.add_argument("--keep-logs", type=Path, help="copy the router's and model servers' logs here at the end")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     seconds = min(args.seconds, 300.0)
@@ -342,7 +349,15 @@ def main(argv: list[str] | None = None) -> int:
             procs.stop(router.proc, timeout_s=30)
         orphans = reap_orphans(state_dir)
         reasons = report(tally, orphans, seconds)
+        keep_logs(Path(tmp), args.keep_logs)
     return verdict("chaos", reasons)
+
+
+def keep_logs(tmp: Path, into: Path | None) -> None:
+    """Copy the run's logs (the router's, with every model server's lines) to ``into``, for reading the failures."""
+    if into is not None:
+        shutil.copytree(tmp / "logs", into, dirs_exist_ok=True)
+        print(f"logs kept in {into}")
 
 
 def reap_orphans(state_dir: Path) -> list[psutil.Process]:

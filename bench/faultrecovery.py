@@ -11,7 +11,12 @@ seconds, ``--health-failures`` failed probes mean hung):
 - ``kill -9``: the model process is SIGKILLed at t0 with a stream in flight; the stream's
   outcome (resumed to ``[DONE]`` or cut) and t(next success);
 - ``crash``: a non-streamed ``[[crash]]`` (a poison request) at t0 and an innocent request
-  0.5 s later: their answers (the innocent one must not get a 503).
+  0.5 s later: their answers (the innocent one must not get a 503);
+- ``hang alone``: a non-streamed ``[[hang]]`` request alone at t0: when it was named the cause;
+- ``sigstop plain``: the model process is SIGSTOPped at t0 under a lone non-streamed request (SIGCONT never
+  comes): the request's answer (retried on a fresh process: the stop was not its doing).
+
+Each episode also prints ``found_by``: the model's ``last_error`` (which watcher killed the process).
 
 ``python -m bench.faultrecovery`` — bounded: every request has a 60 s deadline.
 """
@@ -88,7 +93,18 @@ async def episode(router: Router, fault: str) -> dict[str, Any]:
         pid = router.pid("fake")
         t0 = time.monotonic()
         result: dict[str, Any] = {"fault": fault, "pid": pid}
-        if fault in ("hang", "crash"):
+        if fault == "hang alone":
+            result.update(poison=await ask(session, router.url, chat("poison [[hang]]"), t0))
+            probe = asyncio.create_task(next_success(session, router.url, t0, 0.0))
+        elif fault == "sigstop plain":
+            request = asyncio.create_task(ask(session, router.url, chat(WORDS), t0))
+            await asyncio.sleep(0.3)  # the request is under way (60 words, 0.02 s apart)
+            t0 = time.monotonic()
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            result.update(request=await request)
+            probe = asyncio.create_task(next_success(session, router.url, t0, 0.0))
+        elif fault in ("hang", "crash"):
             marker = "[[hang]]" if fault == "hang" else "[[crash]]"
             poison = asyncio.create_task(ask(session, router.url, chat(f"poison {marker}"), t0))
             await asyncio.sleep(1.0 if fault == "hang" else 0.5)
@@ -105,7 +121,8 @@ async def episode(router: Router, fault: str) -> dict[str, Any]:
             result.update(stream=await stream)
         result["next_success_s"] = round(await probe, 2)
         result["new_pid"] = router.pid("fake")
-        if fault == "sigstop" and pid is not None:
+        result["found_by"] = repr((router.models().get("fake") or {}).get("last_error"))
+        if fault.startswith("sigstop") and pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         return result
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faultrecovery", description=__doc__.splitlines()[0])
     parser.add_argument("--health-interval", type=float, default=1.0)
     parser.add_argument("--health-failures", type=int, default=2)
-    parser.add_argument("--faults", default="hang,sigstop,kill -9,crash")
+    parser.add_argument("--faults", default="hang,hang alone,sigstop,sigstop plain,kill -9,crash")
     parser.add_argument("--keep", type=Path, help="copy each episode's router log here")
     parser.add_argument("--shipped-probes", action="store_true",
                         help="the shipped probe defaults (health_interval_s, health_timeout_s, health_failures)")

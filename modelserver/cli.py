@@ -137,10 +137,11 @@ def _server(
     import uvicorn  # imported while the loader thread builds the pipeline
 
     from modelserver.app import build_app
+    from modelserver.heartbeat import Heartbeat
 
     listen: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     config = uvicorn.Config(
-        build_app(runtime.spec, runtime=runtime, token=token),
+        Heartbeat(build_app(runtime.spec, runtime=runtime, token=token)),  # outside: it needs uvicorn's send
         http="httptools",
         loop="uvloop",
         log_config=None,

@@ -221,7 +221,8 @@ class ModelSpec(_Frozen):
         2, ge=0, description="times a stream is continued on a fresh process after its backend died; 0 = cut it"
     )
     stall_timeout_s: float = for_router(
-        60, gt=0, description="a stream without a token this long (health still fine) means a hung backend"
+        60, gt=0, description="a generation without a token this long (health still fine) means a hung backend: "
+        "a stream's silence, or a non-streamed request's heartbeats showing no progress"
     )
     max_retries: int = for_supervisor(
         5, ge=0, description="failed starts/crashes in a row before backing off at the cap"

@@ -207,6 +207,11 @@ class Backend:
             known = self._exit_death(running)
         return known
 
+    def stopped(self, generation: int) -> bool:
+        """Whether the process of ``generation`` runs and is stopped by a signal (SIGSTOP): a hang from outside."""
+        running = self._running
+        return running is not None and generation == self.generation and process.stopped(running)
+
     def snapshot(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -471,7 +476,8 @@ class Backend:
     def _note_death(self, event: m.Event) -> None:
         """Remember how the READY process ended (what a request it failed is told: ``death(generation)``)."""
         code = self._running.exit_code if self._running is not None else None
-        death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code)
+        death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code,
+                                stopped=lambda: self.stopped(self.generation))
         if death is None:
             return
         self._deaths[self.generation] = death
@@ -704,8 +710,8 @@ class Backend:
         reason = await process.watch(self._rt, lambda: self.spec, running)
         if reason == "crash":
             self._post(self._exited(running, generation))
-        else:  # a hang with one request in flight: that request most likely hung it
-            self._post(m.Hung(generation, blamed=self.counters.in_flight == 1))
+        else:  # a hang with one request in flight: that request most likely hung it (unless SIGSTOP silenced it)
+            self._post(m.Hung(generation, blamed=deaths.of_hang(self.counters.in_flight, process.stopped(running)).blamed))
 
     def _exit_death(self, running: process.Running) -> Death:
         """The exit of ``running``, classified by :func:`procman.deaths.of_exit` (its code, its last lines)."""

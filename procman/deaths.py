@@ -6,7 +6,8 @@ the router, whose verdict (retry, resume, or name the poison: :mod:`router.path.
 the same type and the same predicates. The policy, in one place:
 
 - *external*: a crash by a signal the process did not raise itself (``kill -9``, the OOM killer,
-  SIGTERM, SIGINT, SIGHUP, SIGQUIT) — someone else's doing;
+  SIGTERM, SIGINT, SIGHUP, SIGQUIT), or a hang of a process found stopped by SIGSTOP — someone
+  else's doing;
 - *innocent*: plausibly not the doing of a request in flight: external, a device failure
   (``fatal``, a ``stall``), or not exactly one request in flight (none, or several that share it);
 - *blamed*: not innocent — one request alone crashed or hung its process (a poison request). A
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,7 +70,10 @@ def external_signal(code: int | None) -> bool:
 
 
 def external(death: Death) -> bool:
-    """Killed from outside (a signal it did not raise itself) rather than failing by itself."""
+    """Killed from outside (a signal it did not raise itself) rather than failing by itself; a hang, when the
+    process was found stopped by SIGSTOP (``code`` ``-SIGSTOP``: silenced from outside, not by a request)."""
+    if death.cause == "hang":
+        return death.code == -signal.SIGSTOP
     return death.cause == "crash" and external_signal(death.code)
 
 
@@ -97,21 +101,24 @@ def of_exit(code: int | None, tail: Iterable[str], fatal_patterns: Iterable[str]
     return _judged(Death(exit_cause(code, tail, fatal_patterns), code, in_flight))
 
 
-def of_hang(in_flight: int) -> Death:
-    """A READY process that failed its health probes with ``in_flight`` requests in it (killed: no exit code)."""
-    return _judged(Death("hang", None, in_flight))
+def of_hang(in_flight: int, stopped: bool = False) -> Death:
+    """A READY process that failed its health probes with ``in_flight`` requests in it (killed: no exit code;
+    ``stopped``: it was found stopped by a signal, so its code says ``-SIGSTOP``)."""
+    return _judged(Death("hang", -signal.SIGSTOP if stopped else None, in_flight))
 
 
-def recorded(state: State, event: Event, generation: int, in_flight: int, code: int | None) -> Death | None:
-    """The death ``event`` reports of the READY process of ``generation`` (``in_flight`` requests, exit ``code``),
-    before ``decide()`` takes it; None when it reports none (another process, another state, not a failure)."""
+def recorded(state: State, event: Event, generation: int, in_flight: int, code: int | None,
+             stopped: Callable[[], bool] = lambda: False) -> Death | None:
+    """The death ``event`` reports of the READY process of ``generation`` (``in_flight`` requests, exit ``code``;
+    ``stopped()``: whether the process is stopped by a signal, asked of a hang only), before ``decide()`` takes
+    it; None when it reports none (another process, another state, not a failure)."""
     if state is not State.READY:
         return None
     match event:
         case Exited() if event.generation == generation:
             return Death(event.cause, code, in_flight, event.blamed)
         case Hung() if event.generation == generation:
-            return of_hang(in_flight)
+            return of_hang(in_flight, stopped())
         case Restart() if event.reason in _FAILURES and event.generation in (None, generation):
             return Death(_FAILURES[event.reason], None, in_flight, event.blamed)
     return None

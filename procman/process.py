@@ -39,6 +39,7 @@ __all__ = [
     "launch",
     "node_lost",
     "signal_name",
+    "stopped",
     "terminate",
     "watch",
 ]
@@ -282,6 +283,13 @@ def _quote(message: str, tail: list[str]) -> str:
     if not tail:
         return message + " (it printed nothing)"
     return message + "; last log lines:\n" + "\n".join(tail)
+
+
+def stopped(running: Running) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP): silent because someone outside stopped it, not by
+    its own doing. A handle tells (``stopped()``); one that cannot (a process on a node) never is."""
+    check = getattr(running.handle, "stopped", None)
+    return callable(check) and check() is True
 
 
 def node_lost(running: Running) -> bool:

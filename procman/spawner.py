@@ -262,6 +262,16 @@ class SubprocessHandle:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # gone (or its group id reused)
             os.killpg(self._proc.pid, sig)
 
+    def stopped(self) -> bool:
+        """Stopped by a signal (SIGSTOP, SIGTSTP): state ``T`` in ``/proc`` (False where there is none)."""
+        if self._proc.returncode is not None:
+            return False
+        try:
+            with open(f"/proc/{self._proc.pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[:1] == [b"T"]
+        except OSError:
+            return False
+
 
 async def _pump_lines(stream: asyncio.StreamReader, on_line: LineCallback) -> None:
     """Split the stream into lines (over-long ones are cut) and hand each to ``on_line``."""

@@ -88,6 +88,7 @@ class FakeProcess:
         self.healthy = True
         self.health_body: dict[str, Any] = {"status": "ready"}  # what its health path answers while healthy
         self.ignore_term = False
+        self.sigstopped = False  # as if SIGSTOPped: stopped() says so
         self.signals: list[int] = []
         self._on_line = on_line
         self._exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -106,6 +107,9 @@ class FakeProcess:
     def exit(self, code: int) -> None:
         if not self._exit.done():
             self._exit.set_result(code)
+
+    def stopped(self) -> bool:
+        return self.sigstopped and self.alive
 
     def say(self, *lines: str) -> None:
         for line in lines:

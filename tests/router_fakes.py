@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ import httpx
 from procman import Address
 from router.app import build_app
 from router.config import parse_config
-from router.edge.httpclient import UpstreamTimeout
+from router.edge.heartbeat import Watch
+from router.edge.httpclient import UpstreamHung, UpstreamTimeout
 from router.service import RouterService
 from tests.procman_fakes import FakeProcess, Harness
 
@@ -90,6 +92,12 @@ class Call:
     headers: list[tuple[str, str]]
     body: bytes
     proc: FakeProcess | None
+    watch: Watch | None = None  # the heartbeats the router asked for (router/edge/heartbeat.py)
+
+    def beat(self, progress: int | None = None) -> None:
+        """Send one heartbeat (a 102 with ``progress``), as a model server does while it answers."""
+        if self.watch is not None:
+            self.watch.beat(time.monotonic(), progress)
 
     @property
     def text(self) -> str:
@@ -125,12 +133,13 @@ class FakeUpstream:
         headers: list[tuple[str, str]],
         body: bytes,
         head_timeout_s: float | None,
+        watch: Watch | None = None,
     ) -> FakeReply:
         proc = next((p for p in self.harness.spawner.procs if p.serves(address)), None)
-        call = Call(address, method, path, headers, body, proc)
+        call = Call(address, method, path, headers, body, proc, watch)
         self.calls.append(call)
         try:
-            reply = await asyncio.wait_for(self.handler(call), head_timeout_s)
+            reply = await asyncio.wait_for(_judged(self.handler(call), watch), head_timeout_s)
         except TimeoutError:  # as the real client says it: a late head is the 504 path
             raise UpstreamTimeout(f"no response within {head_timeout_s:g}s") from None
         self.replies.append(reply)
@@ -138,6 +147,21 @@ class FakeUpstream:
 
     async def close(self) -> None:
         pass
+
+
+async def _judged(answer: Awaitable[FakeReply], watch: Watch | None) -> FakeReply:
+    """The handler's reply, or UpstreamHung as the real client raises it when the heartbeats stop or stand still."""
+    task = asyncio.ensure_future(answer)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=watch.check_s() if watch is not None else None)
+            if done:
+                return task.result()
+            verdict = watch.expired(time.monotonic()) if watch is not None else None
+            if verdict is not None:
+                raise UpstreamHung(*verdict)
+    finally:
+        task.cancel()
 
 
 @dataclass

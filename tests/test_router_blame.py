@@ -9,7 +9,7 @@ import pytest
 from procman.deaths import Death
 from router.path.blame import verdict
 
-SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
+SEGV, KILL, STOP = -int(signal.SIGSEGV), -int(signal.SIGKILL), -int(signal.SIGSTOP)
 
 
 @pytest.mark.parametrize(
@@ -26,9 +26,11 @@ SEGV, KILL = -int(signal.SIGSEGV), -int(signal.SIGKILL)
         (Death("hang", -9, in_flight=2), False, False, "again"),  # a shared hang: retried as a suspect, alone
         (Death("hang", -9, in_flight=2), False, True, "again"),  # a stream under way is resumed
         (Death("hang", -9, in_flight=1), False, True, "again"),  # ... even alone: its tokens were flowing
+        (Death("hang", STOP, in_flight=1), False, False, "again"),  # SIGSTOPped from outside: not its doing
+        (Death("hang", STOP, in_flight=1), True, False, "again"),
         (Death("crash", 86, in_flight=1), True, False, "blame"),  # its second process down alone: the cause
-        (Death("crash", 86, in_flight=3), True, False, "fail"),  # shared: a neighbour may be the cause
-        (Death("fatal", -9, in_flight=2), True, False, "fail"),
+        (Death("crash", 86, in_flight=3), True, False, "again"),  # shared: a neighbour may be the cause
+        (Death("fatal", -9, in_flight=2), True, False, "again"),
         (Death("fatal", -9, in_flight=1), True, True, "blame"),
         (Death("crash", KILL, in_flight=1), True, False, "again"),  # killed from outside twice: not its doing
         (Death("hang", -9, in_flight=3), True, True, "again"),  # a resumed stream caught again beside others

@@ -1,6 +1,7 @@
 """Faults the client barely notices, end to end over real fake-engine model servers: a stream resumed
-after a kill -9; hangs (SIGSTOP) found by the health probes, with the shipped probe defaults, under an
-unload, under a rolling restart, and by the model server's own pump watch. Each test runs its own
+after a kill -9; hangs (SIGSTOP) found by the health probes under an unload and a rolling restart; a hang
+found by the request's own heartbeats with the shipped defaults, a SIGSTOPped process's lone request
+retried, a non-streamed stall found by the heartbeats' progress, and the model server's own pump watch. Each test runs its own
 router in this event loop. Everything else about faults (fatal errors, stalls, poison requests, deaths
 with a device's fatal line, failed starts, sick devices, suspect errors, waiting out a relaunch) is
 tested in-process in milliseconds: tests/test_router_faults_inprocess.py, tests/test_router_inprocess.py
@@ -153,19 +154,47 @@ async def test_a_hung_process_replaced_by_a_rolling_restart_is_killed_not_draine
         assert old.last_error is not None and "killed" in old.last_error  # SIGKILLed as hung, not drained
 
 
-async def test_a_hang_is_found_in_seconds_with_the_default_probes(tmp_path: Path) -> None:
+def shipped_health() -> dict[str, Any]:
     from modelserver.spec import ModelSpec
 
-    probes = {key: ModelSpec.model_fields[key].default
-              for key in ("health_interval_s", "health_timeout_s", "health_failures")}  # the defaults, as shipped
-    async with running_router(config(tmp_path, **probes)) as router:
+    return {key: ModelSpec.model_fields[key].default  # the defaults, as shipped
+            for key in ("health_interval_s", "health_timeout_s", "health_failures", "stall_timeout_s")}
+
+
+async def test_a_hang_is_found_in_seconds_by_the_requests_heartbeats_with_the_defaults(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path, **shipped_health())) as router:
         assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
         started = time.monotonic()
         poison = await router.client.post("/v1/chat/completions", json=chat("[[hang]]"), timeout=120)
         found_s = time.monotonic() - started
         assert poison.status_code == 502 and poison.json()["error"]["code"] == "request_crashed_model"
-        print(f"a hang found and answered in {found_s:.1f}s with the default probes {probes}")
-        assert found_s < 40  # the old defaults took ~45 s; generous for a loaded machine (bench: ~10-14 s)
+        assert "no heartbeat" in (router.backend("echo").last_error or "")  # the watchdog, not the probes
+        print(f"a hang found and answered in {found_s:.1f}s with the defaults {shipped_health()}")
+        assert found_s < 25  # the old defaults took ~45 s; generous for a loaded machine (bench: ~10-11 s)
+
+
+async def test_a_lone_request_in_a_process_stopped_by_sigstop_is_retried_not_named(tmp_path: Path) -> None:
+    health = {"health_interval_s": 0.5, "health_timeout_s": 1, "health_failures": 2}  # silent 2.5 s: hung
+    async with running_router(config(tmp_path, **health)) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("warm"))).status_code == 200
+        backend, long = router.backend("echo"), " ".join([WORDS] * 4)  # seconds of tokens
+        pid = backend.pid
+        pending = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat(long), timeout=120))
+        await wait_for(lambda: backend.in_flight == 1)
+        os.kill(pid, signal.SIGSTOP)  # no SIGCONT: the watchdog kills it, and the stop was not the request's doing
+        answer = await pending
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == long, answer.text
+        assert backend.pid != pid and "no heartbeat" in (backend.last_error or "")
+
+
+async def test_a_non_streamed_generation_that_stalls_is_found_by_its_heartbeats(tmp_path: Path) -> None:
+    async with running_router(config(tmp_path, stall_timeout_s=1, stuck_after_s=0)) as router:
+        stalled = await router.client.post("/v1/chat/completions", json=chat(STALLING), timeout=60)
+        # /health answers all along and the pump watch is off: only the request's own progress tells
+        assert stalled.status_code == 502 and stalled.json()["error"]["code"] == "request_crashed_model"
+        assert "no progress" in (router.backend("echo").last_error or "")
+        await wait_for(lambda: router.backend("echo").state.value == "ready")
+        assert (await router.client.post("/v1/chat/completions", json=chat("next"))).status_code == 200
 
 
 async def test_a_non_streamed_request_whose_generation_stops_advancing_is_found_by_the_pump_watch(

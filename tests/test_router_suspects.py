@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from router.edge.httpclient import UpstreamError
+from router.path import recovery
 from router.state.lane import SuspectLane
 from tests.router_fakes import Call, Exchange, FakeReply, FakeRouter, chat, echo, fake_router
 
@@ -184,3 +185,35 @@ async def test_the_lane_runs_suspects_one_at_a_time_and_holds_new_requests_a_bou
     await asyncio.sleep(0)
     await asyncio.wait_for(asyncio.gather(suspect("d"), lane.ordinary(bound_s=0.01)), BOUND_S)
     await stuck
+
+
+async def test_a_request_whose_cold_start_an_unload_interrupts_waits_for_the_next_start(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        r.harness.spawner.on_spawn = lambda proc: setattr(proc, "healthy", False)  # the start takes its time
+        waiting = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", "patient")))
+        await until(lambda: r.backend("echo").state.value == "starting")
+        r.harness.spawner.on_spawn = None
+        unload = await asyncio.wait_for(r.post("/api/models/echo/unload"), BOUND_S)  # cuts the start short
+        assert unload.status == 200
+        reply = await asyncio.wait_for(r.harness.clock.run(waiting, step=0.1), BOUND_S)
+        assert_served([reply], ["patient"])  # it waited for the next start instead of a 503
+        assert len(r.harness.spawner.procs) == 2 and not r.harness.spawner.procs[0].alive
+
+
+async def test_a_suspect_caught_again_beside_a_second_poison_goes_again_and_is_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery, "ORDINARY_WAIT_S", 0.0)  # new requests go beside the suspects at once
+    async with fake_router(tmp_path, {"echo": model()}) as r:
+        server = r.upstream.handler = PoisonServer(r, hold_s=0.3)
+        clean = ["first innocent", "second innocent"]
+        innocents = asyncio.ensure_future(post_all(r, clean))
+        await until(lambda: server.in_flight == 2)
+        first = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", f"one {POISON}")))
+        await until(lambda: any(server.sent.get(t, 0) == 2 for t in clean) and server.in_flight == 1)
+        # a suspect's retry runs: a second poison arrives beside it and takes that process down too
+        second = await asyncio.wait_for(r.post("/v1/chat/completions", chat("echo", f"two {POISON}")), BOUND_S)
+        assert_served(await asyncio.wait_for(innocents, BOUND_S), clean)  # a second shared death: again, served
+        assert_named(await asyncio.wait_for(first, BOUND_S))
+        assert_named(second)  # shared first, then alone in the lane: named
+        assert max(server.sent[t] for t in clean) == 3

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from modelserver import heartbeat
 from modelserver.api.common import (
     ClientGone,
     SSEResponse,
@@ -143,6 +144,7 @@ class Run:
         self._matcher = StopMatcher(stops)
         self._first: str | None = None
         self._raw: AsyncIterator[str] = aiter(stream)
+        self.pieces = 0  # what the engine produced so far: the request's progress (modelserver/heartbeat.py)
 
     @property
     def stop_sequence(self) -> str | None:
@@ -153,6 +155,7 @@ class Run:
         """Wait for the engine's first event (a delta or the end), so errors at the start surface here."""
         try:
             self._first = await anext(self._raw)
+            self.pieces += 1
         except StopAsyncIteration:
             self._first = None
             self.finish = self.stream.finish_reason or "stop"
@@ -169,6 +172,7 @@ class Run:
                 delta = await anext(self._raw)
             except StopAsyncIteration:
                 break
+            self.pieces += 1
             if text := self._matcher.push(delta):
                 yield text
         if self._matcher.stopped:
@@ -184,6 +188,7 @@ async def start_runs(request: Request, generator: TextGenerator, generations: li
                  stops: list[str]) -> list[Run]:
     rt = runtime(request)
     runs: list[Run] = []
+    heartbeat.follow(lambda: sum(run.pieces for run in runs))
     try:
         for generation in generations:
             with engine_errors(rt):

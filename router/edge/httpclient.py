@@ -10,20 +10,28 @@ flow control. It speaks only what the router needs: HTTP/1.1 over a Unix socket 
 chunked or sized responses.
 
     UpstreamError          the backend could not be reached or dropped the connection
-     └ UpstreamTimeout     no response head in time, or silence between chunks too long
+     ├ UpstreamTimeout     no response head in time, or silence between chunks too long
+     └ UpstreamHung        its heartbeats stopped, or said its generation stands still (router/edge/heartbeat.py)
+
+Interim ``1xx`` responses before the final head (a model server's heartbeats) are consumed here: each
+feeds the exchange's :class:`~router.edge.heartbeat.Watch`, none is ever relayed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Literal
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["ConnectionPool", "UpstreamError", "UpstreamResponse", "UpstreamTimeout"]
+from router.edge.heartbeat import PROGRESS_HEADER, Watch
+
+__all__ = ["ConnectionPool", "UpstreamError", "UpstreamHung", "UpstreamResponse", "UpstreamTimeout"]
 
 HIGH_WATER = 1 << 20  # pause reading the backend when this much is buffered for a slow client
 MAX_IDLE = 64
@@ -38,6 +46,14 @@ class UpstreamTimeout(UpstreamError):
     """No response head within the deadline, or too long a silence between body chunks."""
 
 
+class UpstreamHung(UpstreamError):
+    """The backend's heartbeats under this request stopped (``hang``) or said it made no progress (``stall``)."""
+
+    def __init__(self, cause: Literal["hang", "stall"], message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one exchange at a time."""
 
@@ -48,6 +64,8 @@ class _Connection(asyncio.Protocol):
         self.head: asyncio.Future[None] | None = None
         self.lost: BaseException | None = None
         self.got_bytes = False
+        self.watch: Watch | None = None  # the exchange's heartbeat watch, fed by interim responses
+        self.interim = False  # the message being parsed is a 1xx (a heartbeat), not the answer
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -83,7 +101,14 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
-        response.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # an interim response: a heartbeat, never the answer
+            self.interim = True
+            if self.watch is not None:
+                progress = dict(response.raw_headers).get(PROGRESS_HEADER)
+                self.watch.beat(time.monotonic(), int(progress) if progress and progress.isdigit() else None)
+            return
+        response.status = status
         response.keep_alive = self.parser.should_keep_alive()
         response._by_name = dict(reversed(response.raw_headers))  # a repeated header: its first value
         if self.head is not None and not self.head.done():
@@ -95,6 +120,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self.interim:  # the answer's own head is still to come
+            self.interim = False
+            return
         self.response._finish()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -218,6 +246,17 @@ def _expire(future: asyncio.Future[None], timeout_s: float) -> None:
         future.set_exception(UpstreamTimeout(f"no response within {timeout_s:g}s"))
 
 
+def _judge(future: asyncio.Future[None], watch: Watch) -> None:
+    """Ask the watch, again every ``check_s`` until the head came: hung or stalled ends the wait."""
+    if future.done():
+        return
+    verdict = watch.expired(time.monotonic())
+    if verdict is not None:
+        future.set_exception(UpstreamHung(*verdict))
+    else:
+        asyncio.get_running_loop().call_later(watch.check_s(), _judge, future, watch)
+
+
 class ConnectionPool:
     """Keep-alive connections to one backend address (a Unix socket path, or a base URL)."""
 
@@ -273,27 +312,33 @@ class ConnectionPool:
         return (head, body) if len(body) > COPY_MAX else (head + body,)
 
     async def request(
-        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, head_timeout_s: float | None
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes, head_timeout_s: float | None,
+        watch: Watch | None = None,
     ) -> UpstreamResponse:
-        """Send one request; returns once the response head arrived (the body follows)."""
+        """Send one request; returns once the response head arrived (the body follows).
+
+        ``watch``: ask for heartbeats and judge the wait for the head by them (raises UpstreamHung)."""
+        if watch is not None:
+            headers = [*headers, watch.header()]
         payload = self._encode(method, path, headers, body)
         while self._idle:
             conn = self._idle.pop()
             if not conn.reusable:
                 continue
             try:
-                return _bodyless(method, await self._exchange(conn, payload, head_timeout_s))
+                return _bodyless(method, await self._exchange(conn, payload, head_timeout_s, watch))
             except UpstreamError:
                 if conn.got_bytes:  # the backend saw and answered part of it: never resend
                     raise
                 # a keep-alive connection the backend had closed: try a fresh one
-        return _bodyless(method, await self._exchange(await self._connect(), payload, head_timeout_s))
+        return _bodyless(method, await self._exchange(await self._connect(), payload, head_timeout_s, watch))
 
     async def _exchange(
-        self, conn: _Connection, payload: tuple[bytes, ...], head_timeout_s: float | None
+        self, conn: _Connection, payload: tuple[bytes, ...], head_timeout_s: float | None, watch: Watch | None
     ) -> UpstreamResponse:
         assert conn.transport is not None
         conn.got_bytes = False
+        conn.watch = watch
         response = conn.response = UpstreamResponse(self, conn)  # the parser goes on: the last answer was whole
         loop = asyncio.get_running_loop()
         head = conn.head = loop.create_future()
@@ -302,12 +347,15 @@ class ConnectionPool:
         timer = None
         if head_timeout_s is not None:  # a timer handle is cheaper than asyncio.timeout() per request
             timer = loop.call_later(head_timeout_s, _expire, head, head_timeout_s)
+        if watch is not None:
+            loop.call_later(watch.check_s(), _judge, head, watch)
         try:
             await head
         except BaseException:
             conn.transport.close()
             raise
         finally:
+            conn.watch = None
             if timer is not None:
                 timer.cancel()
         return response

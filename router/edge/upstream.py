@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from procman import Address
+from router.edge.heartbeat import Watch
 from router.edge.httpclient import ConnectionPool
 
 __all__ = ["Upstream", "UpstreamPool", "UpstreamReply"]
@@ -42,7 +43,8 @@ class UpstreamReply(Protocol):
 
 
 class Upstream(Protocol):
-    """One HTTP exchange with the backend at ``address``; raises UpstreamError / UpstreamTimeout."""
+    """One HTTP exchange with the backend at ``address``; raises UpstreamError / UpstreamTimeout, and
+    UpstreamHung when the heartbeats ``watch`` asks for (router/edge/heartbeat.py) stop or stand still."""
 
     async def request(
         self,
@@ -52,6 +54,7 @@ class Upstream(Protocol):
         headers: list[tuple[str, str]],
         body: bytes,
         head_timeout_s: float | None,
+        watch: Watch | None = None,
     ) -> UpstreamReply: ...
 
     async def close(self) -> None: ...
@@ -71,10 +74,12 @@ class UpstreamPool:
         headers: list[tuple[str, str]],
         body: bytes,
         head_timeout_s: float | None,
+        watch: Watch | None = None,
     ) -> UpstreamReply:
         if address.token is not None:  # a process on a node requires its own token (the client's was dropped)
             headers = [*headers, ("authorization", f"Bearer {address.token}")]
-        return await self.pool(address).request(method, path, headers, body, head_timeout_s=head_timeout_s)
+        return await self.pool(address).request(method, path, headers, body, head_timeout_s=head_timeout_s,
+                                                watch=watch)
 
     def pool(self, address: Address) -> ConnectionPool:
         pool = self._pools.get(address)

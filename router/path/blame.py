@@ -9,8 +9,8 @@ alone in a process that crashed or hung on its own is the likely cause (a *poiso
 request): it is answered at once, naming itself as the cause, and never sent again — as
 is a request that already had its second chance and took a second process down with it
 alone. A second death shared with other requests blames none of them (a poison neighbour
-retried beside them is as likely): each gets an ordinary 502 and is not sent a third time —
-but a stream under way is resumed again while ``max_resumes`` allows (default 2).
+retried beside them is as likely): each goes again, in the suspect lane, while its tries last
+(router/path/recovery.py: two more than its budget for shared deaths), then gets an ordinary 502.
 
 The death and its predicates (``Death``, ``external``, ``innocent``) are procman's
 (:mod:`procman.deaths`): the same record and the same policy that decide whether a death
@@ -35,19 +35,19 @@ from procman.deaths import Death, external, innocent
 
 __all__ = ["Verdict", "suspect", "verdict"]
 
-Verdict = Literal["again", "fail", "blame"]
+Verdict = Literal["again", "blame"]
 
 
 def verdict(death: Death, *, second: bool, streaming: bool) -> Verdict:
-    """``again`` (retry or resume on the fresh process, if the request has a try left), ``fail`` (an
-    ordinary 502) or ``blame`` (the request is the likely cause: ``request_crashed_model``, never sent again).
+    """``again`` (retry or resume on the fresh process if the request has a try left, else an ordinary 502)
+    or ``blame`` (the request is the likely cause: ``request_crashed_model``, never sent again).
 
     ``second``: the request already had a retry or resume; ``streaming``: its stream had started.
     """
     if second:  # named the cause only when it took a process down alone
-        if external(death) or (streaming and death.in_flight > 1):
-            return "again"  # not its doing, or a neighbour's as likely: a stream goes on while max_resumes allows
-        return "blame" if death.in_flight <= 1 else "fail"  # never a third try of a request with nothing sent
+        if external(death) or death.in_flight > 1:
+            return "again"  # not its doing, or a neighbour's as likely: again (in the suspect lane) while tries last
+        return "blame"
     if death.cause == "hang" and streaming:
         return "again"  # tokens were flowing when it hung: the device, not the request
     if not innocent(death):

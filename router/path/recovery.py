@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -57,11 +58,12 @@ from typing import Any
 
 from starlette.types import Send
 
-from procman import Backend, BackendUnavailable, Lease
+from procman import Backend, BackendUnavailable, Lease, StartInterrupted
 from procman.deaths import Death, external
 from procman.process import exit_words
 from router.edge.errors import BadGateway, GatewayTimeout, RouterError, ServiceUnavailable, unavailable
-from router.edge.httpclient import UpstreamError, UpstreamTimeout
+from router.edge.heartbeat import Watch
+from router.edge.httpclient import UpstreamError, UpstreamHung, UpstreamTimeout
 from router.edge.upstream import Upstream, UpstreamReply
 from router.path.blame import suspect, verdict
 from router.path.framing import OPENAI, Framing, framing_of
@@ -79,6 +81,11 @@ _BACKGROUND: set[asyncio.Task[Any]] = set()
 #: How long a new request waits while suspects are served: time for a poison request that crashes its
 #: process at once to show (then its retry ran alone); a hang takes longer, and new requests go on beside it.
 ORDINARY_WAIT_S = 5.0
+#: Tries beyond a request's budget for deaths it shared with others (in the chaos mix a clean request can be
+#: caught beside a second poison, or beside its own suspect's retry): each runs in the suspect lane.
+SHARED_TRIES = 2
+#: How many interrupted starts (an unload during a cold start) a request waits past before it gets the 503.
+MAX_INTERRUPTED = 2
 #: How a stream of each kind (router.path.resume.plan) is read back, continued and spliced.
 RESUMERS: dict[str, Resumer] = {"chat": OPENAI_RESUMER, "completion": OPENAI_RESUMER, "responses": OPENAI_RESUMER,
                                "messages": ANTHROPIC_RESUMER}
@@ -100,6 +107,7 @@ class Job:
     send: Send
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
+    interrupted: int = 0  # starts it waited for that an unload interrupted
     suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
     leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
@@ -119,11 +127,14 @@ class Job:
     def framing(self) -> Framing:
         return framing_of(self.req.path) or OPENAI
 
-    def budget(self) -> int:
-        """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs."""
+    def budget(self, shared: bool) -> int:
+        """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs; and
+        ``SHARED_TRIES`` more when its death was shared (a suspect: a poison neighbour's as likely)."""
         if self.head_sent:
-            return self.model.spec.max_resumes if self.plan is not None else 0
-        return 1 if self.model.spec.retry_on_fatal else 0
+            base = self.model.spec.max_resumes if self.plan is not None else 0
+        else:
+            base = 1 if self.model.spec.retry_on_fatal else 0
+        return base + SHARED_TRIES if shared and base else base
 
 
 async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -> int:
@@ -142,6 +153,8 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
             except BackendUnavailable as exc:
                 if job.backend is not model.backend:
                     continue  # a rolling change replaced (closed) it while this request waited: the new one
+                if _cut_short(job, exc):
+                    continue  # an unload cut short the start it waited for: as a request a moment later, start anew
                 if not job.head_sent:
                     raise unavailable(model.spec.name, exc) from None
                 return await _end_stream(job, f"model {job.name!r} could not be restarted", "model_unavailable")
@@ -149,12 +162,25 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
                 return result
 
 
+def _cut_short(job: Job, exc: BackendUnavailable) -> bool:
+    """Whether the request waits for the next start: the one it waited for was interrupted by an unload or a
+    stop-first change (not a shutdown), at most ``MAX_INTERRUPTED`` times (the operator may mean it)."""
+    if not isinstance(exc, StartInterrupted) or exc.by in ("stop", "shutdown") or job.interrupted >= MAX_INTERRUPTED:
+        return False
+    job.interrupted += 1
+    log.info("%s: a request's wait for a start was cut short (%s); it waits for the next start", job.name, exc.by)
+    return True
+
+
 async def _attempt(job: Job, lease: Lease) -> int | None:
     """One exchange with one process: the status relayed, or None to go again on a fresh process."""
     spec = job.model.spec
     try:
         resp = await job.pool.request(lease.address, job.req.method, spec.path_prefix + job.req.path,
-                                      job.req.headers, job.body, spec.request_timeout_s)
+                                      job.req.headers, job.body, spec.request_timeout_s, _watch(job))
+    except UpstreamHung as exc:  # its heartbeats stopped, or say its generation stands still
+        log.warning("%s: %s; killing the process as hung", job.name, exc)
+        return await _died(job, lease, exc.cause, str(exc))
     except UpstreamTimeout:
         return await _fail(job, GatewayTimeout(
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))
@@ -170,6 +196,16 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
         return await _relay_resumable(job, lease, resp)
     finally:
         resp.close()
+
+
+def _watch(job: Job) -> Watch | None:
+    """The heartbeat watch of one attempt (router/edge/heartbeat.py): for the model servers the router launches,
+    while health probes are on; silent as long as the probes need to call it hung."""
+    spec = job.model.spec
+    if not spec.launches_modelserver or spec.health_interval_s <= 0:
+        return None
+    return Watch.for_probes(spec.health_interval_s, spec.health_timeout_s, spec.health_failures,
+                            spec.stall_timeout_s)
 
 
 async def _relay(job: Job, lease: Lease, resp: UpstreamReply) -> int:
@@ -206,7 +242,7 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
                                      f"{spec.stream_idle_timeout_s:g}s", "backend_error")
         log.warning("%s: a stream got no token for stall_timeout_s=%gs; killing the process as hung",
                     job.name, spec.stall_timeout_s)
-        return await _died(job, lease, "stall", f"no token for {spec.stall_timeout_s:g}s")
+        return await _died(job, lease, "stall", f"a stream got no token for stall_timeout_s={spec.stall_timeout_s:g}s")
     except UpstreamError as exc:
         return await _died(job, lease, None, str(exc))
     tail = job.splice.rest() if job.splice is not None else job.log.rest() if job.log is not None else b""
@@ -237,11 +273,12 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     """The process behind ``lease`` failed this request; decide between going again and answering."""
     backend = job.backend or job.model.backend  # the lease's own: a retiring process is killed as hung too
     in_flight = backend.in_flight
-    if cause in ("fatal", "stall"):
-        why = f"a stream got no token for stall_timeout_s={job.model.spec.stall_timeout_s:g}s" \
-            if cause == "stall" else None
+    if cause in ("fatal", "stall", "hang"):
+        why = None if cause == "fatal" else detail  # what it saw, for last_error
+        stopped = cause == "hang" and backend.stopped(lease.generation)  # SIGSTOP: silenced from outside, as
+        # kill -9 is; its requests are not to blame (asked before the restart below kills it)
         restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why)
-        death = Death(cause, None, in_flight)  # type: ignore[arg-type]
+        death = Death(cause, -signal.SIGSTOP if stopped else None, in_flight)  # type: ignore[arg-type]
     else:
         restart = None
         await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
@@ -252,9 +289,10 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     if restart is not None:  # queued now: the next attempt lands on the fresh process; never awaited
         _background(restart)  # inside a lease (a drain would wait for the lease, the answer for the drain)
     choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
-    if choice == "again" and job.tries < job.budget() and _prepare_again(job):
+    shared = suspect(death)
+    if choice == "again" and job.tries < job.budget(shared) and _prepare_again(job):
         job.tries += 1
-        job.suspect = suspect(death)
+        job.suspect = shared
         log.warning("%s: the process died under a request (%s, %s: %s); %s on a fresh process%s", job.name,
                     death.cause, exit_words(death.code), detail,
                     "resuming the stream" if job.head_sent else "retrying once",
