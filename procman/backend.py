@@ -711,7 +711,8 @@ class Backend:
         if reason == "crash":
             self._post(self._exited(running, generation))
         else:  # a hang with one request in flight: that request most likely hung it (unless SIGSTOP silenced it)
-            self._post(m.Hung(generation, blamed=deaths.of_hang(self.counters.in_flight, process.stopped(running)).blamed))
+            hang = deaths.of_hang(self.counters.in_flight, process.stopped(running))
+            self._post(m.Hung(generation, blamed=hang.blamed))
 
     def _exit_death(self, running: process.Running) -> Death:
         """The exit of ``running``, classified by :func:`procman.deaths.of_exit` (its code, its last lines)."""

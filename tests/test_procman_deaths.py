@@ -39,6 +39,11 @@ def test_a_hang_is_blamed_on_a_lone_request_only() -> None:
     assert deaths.of_hang(0) == Death("hang", None, 0) and deaths.of_hang(3) == Death("hang", None, 3)
 
 
+def test_a_hang_of_a_process_stopped_by_sigstop_is_from_outside() -> None:
+    stopped = deaths.of_hang(1, stopped=True)
+    assert stopped == Death("hang", -signal.SIGSTOP, 1) and deaths.external(stopped) and deaths.innocent(stopped)
+
+
 @pytest.mark.parametrize(
     ("state", "event", "expected"),
     [

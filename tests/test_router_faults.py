@@ -1,11 +1,11 @@
 """Faults the client barely notices, end to end over real fake-engine model servers: a stream resumed
 after a kill -9; hangs (SIGSTOP) found by the health probes under an unload and a rolling restart; a hang
 found by the request's own heartbeats with the shipped defaults, a SIGSTOPped process's lone request
-retried, a non-streamed stall found by the heartbeats' progress, and the model server's own pump watch. Each test runs its own
-router in this event loop. Everything else about faults (fatal errors, stalls, poison requests, deaths
-with a device's fatal line, failed starts, sick devices, suspect errors, waiting out a relaunch) is
-tested in-process in milliseconds: tests/test_router_faults_inprocess.py, tests/test_router_inprocess.py
-and tests/test_router_suspects.py."""
+retried, a non-streamed stall found by the heartbeats' progress, and the model server's own pump watch.
+Each test runs its own router in this event loop. Everything else about faults (fatal errors, stalls,
+poison requests, deaths with a device's fatal line, failed starts, sick devices, suspect errors, waiting
+out a relaunch) is tested in-process in milliseconds: tests/test_router_faults_inprocess.py,
+tests/test_router_inprocess.py, tests/test_router_suspects.py and tests/test_router_heartbeat.py."""
 
 from __future__ import annotations
 
