@@ -1,5 +1,6 @@
 """Faults the client barely notices, in-process (the router app, procman under fakes, a fake upstream):
-a fatal error mid-stream resumed, a stall killed as a hang, poison requests named and never sent twice,
+a fatal error mid-stream resumed, a stall and a process that stops answering its probes killed as hung,
+poison requests named and never sent twice,
 a process that dies with a device's fatal line, a model that cannot start, a sick device, suspect
 errors, an innocent request waiting out a relaunch. Each runs in well under a second.
 
@@ -238,3 +239,31 @@ async def test_an_innocent_request_during_a_relaunch_waits_for_it_instead_of_a_5
         innocent = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", "innocent")))
         await until(r, innocent.done)  # the backoff runs out on procman's clock
         assert (await innocent).status == 200, innocent.result().body
+
+
+async def test_a_process_that_stops_answering_its_probes_is_killed_as_hung_and_its_lone_request_named(
+    tmp_path: Path,
+) -> None:
+    probes = {"health_interval_s": 0.3, "health_timeout_s": 1, "health_failures": 2}
+    async with fake_router(tmp_path, {"echo": model(retry_on_fatal=False, **probes)}) as r:
+        assert (await r.post("/v1/chat/completions", chat("echo"))).status == 200
+        proc = r.harness.spawner.last
+
+        async def hangs(call: Call) -> FakeReply:  # no answer, and no health answer either, until it is killed
+            assert call.proc is not None
+            call.proc.healthy = False
+            await call.proc.wait()
+            raise UpstreamError("backend closed the connection")
+
+        r.upstream.handler = hangs
+        hung = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", "[[hang]]")))
+        await until(r, hung.done, step_s=0.1)  # two failed probes, 0.3 s apart on procman's clock
+        reply = hung.result()
+        assert reply.status == 502 and reply.json()["error"]["code"] == "request_crashed_model"  # alone: its doing
+        assert not proc.alive and proc.signals[0] == signal.SIGKILL
+        assert r.harness.recorder.restarts == [("echo", "hang")]
+        assert "/health failed 2 probes in a row" in (r.backend("echo").last_error or "")
+        r.upstream.handler = echo
+        assert (await r.post("/v1/chat/completions", chat("echo", "alive"))).status == 200
+        assert r.backend("echo").pid != proc.pid
+        assert 'ovrouter_model_restarts_total{model="echo",reason="hang"} 1.0' in await metrics(r)
