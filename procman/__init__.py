@@ -22,7 +22,7 @@ from procman.errors import (
 )
 from procman.logbuffer import LogBuffer
 from procman.manager import BeforeStart, ProcessManager
-from procman.notices import Evicted, Notice, Restarted, Started, Stopped, Transition
+from procman.notices import Evicted, Notice, Restarted, Rolled, Started, Stopped, Transition
 from procman.policy import RestartPolicy, backoff_delay
 from procman.prober import HttpProber, Prober
 from procman.room import Member, Room, Scope, victims
@@ -57,6 +57,7 @@ __all__ = [
     "ProcmanError",
     "RestartPolicy",
     "Restarted",
+    "Rolled",
     "Room",
     "Scope",
     "SparePool",

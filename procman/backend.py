@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 from procman import deaths, process
 from procman import machine as m
+from procman import rolling as r
 from procman.address import Address, safe_name
 from procman.deaths import Death
 from procman.errors import (
@@ -41,15 +42,18 @@ from procman.errors import (
 )
 from procman.logbuffer import LogBuffer
 from procman.machine import FAILURE_REASONS, Counters
-from procman.notices import Restarted, Started, Stopped, Transition
+from procman.notices import Restarted, Rolled, Started, Stopped, Transition
 from procman.prober import Health
-from procman.runtime import Runtime
+from procman.runtime import Runtime, unless_aborted
 from procman.spec import BackendSpec
 from procman.states import ALLOWED, State
 
 __all__ = ["FAILURE_REASONS", "Backend", "Lease"]
 
 log = logging.getLogger(__name__)
+
+#: What the owner's queue carries: the machine's events, and a replacement's command and reports.
+Event = m.Event | r.Replace | r.Report
 
 
 class Lease(NamedTuple):
@@ -79,7 +83,7 @@ class Backend:
         self._deaths: dict[int, Death] = {}  # generation -> how that process failed
         self.logs = LogBuffer(runtime.log_dir / f"{safe_name(spec.name)}.log", runtime.log_lines)
         self._rt = runtime
-        self._queue: asyncio.Queue[tuple[m.Event, asyncio.Future[Any] | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Event, asyncio.Future[Any] | None]] = asyncio.Queue()
         self._owner: asyncio.Task[None] | None = None
         self._handling = False
         self._running: process.Running | None = None
@@ -94,6 +98,8 @@ class Backend:
         self._helpers: dict[str, asyncio.Task[Any]] = {}
         self._kill_why: tuple[int | None, str] | None = None  # (generation, why) of a restart the caller explained
         self._fast = True  # the request path's shortcut (tests turn it off to compare both paths)
+        self._roll: r.Rollout | None = None  # a rolling start beside the current process (procman/rolling.py)
+        self._retired: dict[int, r.Retiree] = {}  # generation -> a replaced process, draining
 
     # -- what others read --------------------------------------------------------------------
 
@@ -121,6 +127,11 @@ class Backend:
     @property
     def in_flight(self) -> int:
         return self.counters.in_flight
+
+    def in_flight_of(self, generation: int) -> int:
+        """Requests in flight in the process of ``generation`` (the current one, or a replaced one draining)."""
+        retiree = self._retired.get(generation)
+        return retiree.in_flight if retiree is not None else self.counters.in_flight
 
     @property
     def failures(self) -> int:
@@ -209,8 +220,9 @@ class Backend:
 
     def stopped(self, generation: int) -> bool:
         """Whether the process of ``generation`` runs and is stopped by a signal (SIGSTOP): a hang from outside."""
-        running = self._running
-        return running is not None and generation == self.generation and process.stopped(running)
+        retiree = self._retired.get(generation)
+        running = retiree.running if retiree is not None else self._running if generation == self.generation else None
+        return running is not None and process.stopped(running)
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -260,7 +272,12 @@ class Backend:
             return lease
         return await self._want(count=True)
 
-    async def _finished(self) -> None:
+    async def _finished(self, generation: int) -> None:
+        retiree = self._retired.get(generation)
+        if retiree is not None:  # admitted to a process replaced since: it counts done against that one
+            self.last_used = time.time()
+            retiree.done()
+            return
         if self._shortcut(_DONE):
             return
         if self._quiet():
@@ -288,6 +305,12 @@ class Backend:
         fails for a failed relaunch: the error is in ``last_error`` and the next
         ``ensure_ready`` reports it.
         """
+        retiree = self._retired.get(generation) if generation is not None else None
+        if retiree is not None:  # a replaced process that a request saw hang or fail: killed, never waited for
+            retiree.condemn(reason)
+            gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            gone.set_result(None)
+            return gone
         if why is not None:
             self._kill_why = (generation, why)
         reply = self._post(m.Restart(reason, generation), want_reply=True)
@@ -324,8 +347,35 @@ class Backend:
         self.logs.close()
 
     def kill_now(self) -> None:
-        """SIGKILL the process group at once (a shutdown that ran out of time)."""
+        """SIGKILL the process groups at once (a shutdown that ran out of time), a replacement's too."""
         process.kill_now(self._running)
+        for retiree in self._retired.values():
+            process.kill_now(retiree.running)
+        if self._roll is not None:
+            self._roll.abort.set()
+
+    async def replace(self, spec: BackendSpec | None = None, *, rolling: bool, reason: str | None = None) -> None:
+        """Replace the process with one running ``spec`` (None: the same spec again, a restart).
+
+        ``rolling``: start the new process beside the current one when it serves and room allows both
+        (procman/rolling.py): requests go to the new one once READY, the old one drains and stops, and a new
+        one that fails leaves the old one serving (``Rolled`` notices tell each step). Otherwise stop-first:
+        :meth:`restart` (the same spec) or :meth:`update`. A spec that changes only supervision settings is
+        retuned. Answered once the new process serves (or the replacement failed, or was given up).
+        """
+        spec = spec or self.spec
+        if spec.name != self.name:
+            raise ValueError(f"replace of {self.name!r} got a spec named {spec.name!r}")
+        if spec != self.spec and spec.process_view == self.spec.process_view and not self.counters.swap:
+            await self.retune(spec)
+            return
+        await self._ask(r.Replace(spec, rolling, "manual" if spec == self.spec else "reload"))
+
+    def seats(self) -> list[r.Seat]:
+        """The processes of a replacement that hold room beside the current one (the manager counts them)."""
+        roll = self._roll
+        seats = [r.Seat(roll.key, starting=True)] if roll is not None and roll.holds else []
+        return seats + [r.Seat(retiree.key, starting=False) for retiree in self._retired.values()]
 
     async def _want(self, count: bool) -> Lease:
         if self.counters.closed:
@@ -342,15 +392,16 @@ class Backend:
             return await reply  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             if count and reply.done() and not reply.cancelled() and reply.exception() is None:
-                self._post(m.Done())  # admitted, but the caller went away before it knew
+                retiree = self._retired.get(reply.result().generation)  # admitted, but the caller went away
+                retiree.done() if retiree is not None else self._post(m.Done())
             raise
 
-    async def _ask(self, event: m.Event) -> None:
+    async def _ask(self, event: Event) -> None:
         reply = self._post(event, want_reply=True)
         assert reply is not None
         await reply
 
-    def _post(self, event: m.Event, want_reply: bool = False) -> asyncio.Future[Any] | None:
+    def _post(self, event: Event, want_reply: bool = False) -> asyncio.Future[Any] | None:
         reply = asyncio.get_running_loop().create_future() if want_reply else None
         self._queue.put_nowait((event, reply))
         if self._owner is None or self._owner.done():
@@ -391,15 +442,18 @@ class Backend:
         return not self._handling and self._queue.empty()
 
     async def _run(self) -> None:
-        while not (self.counters.closed and self.state is State.STOPPED and self._queue.empty()):
+        while not (self.counters.closed and self.state is State.STOPPED and self._queue.empty() and self._alone()):
             event, reply = await self._queue.get()
             self._dispatch(event, reply)
         self._cancel(*list(self._helpers))  # closed and stopped: no timer or watch outlives the backend
 
-    def _dispatch(self, event: m.Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
+    def _dispatch(self, event: Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
         self._handling = True
         try:
-            self._handle(event, reply, decision)
+            if isinstance(event, r.EVENTS):
+                self._replacing(event, reply)
+            else:
+                self._handle(event, reply, decision)
         except Exception as exc:  # a bug must not kill the owner: the caller hears it, the log has it
             log.exception("%s: handling %r failed", self.name, event)
             if reply is not None and not reply.done():
@@ -422,7 +476,15 @@ class Backend:
                 self._settling.append(reply)
             elif answer == "turn":
                 reply.set_result(None)
-        if self._settling and m.settled(self.state, self.counters):
+        self._turn_ends()
+
+    def _turn_ends(self) -> None:
+        """After each event: a rolling start whose current process stopped serving is given up, commands are
+        answered once the backend settled (a replacement's processes gone too), the manager hears of it."""
+        if self._roll is not None and not self._roll.dropping and not self._serving():
+            self._give_up_roll()
+        if self._settling and m.settled(self.state, self.counters) and self._roll is None and (
+                not self.counters.closed or not self._retired):
             settling, self._settling = self._settling, []
             for waiter in settling:
                 if not waiter.done():
@@ -440,6 +502,138 @@ class Backend:
         for effect in decision.effects:
             self._do(effect, event, reply)
 
+    # -- replacement: the next process and the retirees (procman/rolling.py) ----------------------
+
+    def _serving(self) -> bool:
+        """READY with no stop, reload or close pending: a rolling start may take over from this process."""
+        c = self.counters
+        return self.state is State.READY and not c.draining and not c.swap and not c.closed
+
+    def _alone(self) -> bool:
+        """No process of a replacement is left (the owner may end once closed)."""
+        return self._roll is None and not self._retired
+
+    def _replacing(self, event: r.Replace | r.Report, reply: asyncio.Future[Any] | None) -> None:
+        """The owner's step for a replacement's command or report (the machine's events go to ``decide``)."""
+        if reply is not None and reply.done():
+            return
+        if isinstance(event, r.Replace):
+            self._replace_turn(event, reply)
+        elif isinstance(event, r.NextStarted):
+            self._next_landed(event)
+        elif isinstance(event, r.NextGone):
+            self._end_roll()
+        else:
+            self._retired.pop(event.generation, None)
+        self._turn_ends()
+
+    def _replace_turn(self, event: r.Replace, reply: asyncio.Future[Any] | None) -> None:
+        fits = self._rt.fits_beside
+        mode = r.choose(event.rolling, self._serving(), self.spec.remote or event.spec.remote, self._roll is not None,
+                        lambda: fits is not None and fits(self))
+        if mode == "wait":
+            roll = self._roll
+            assert roll is not None
+            if roll.pending is not None and roll.pending[1] is not None:
+                roll.pending[1].set_result(None)  # superseded by this later one
+            roll.pending = (event, reply)
+        elif mode == "stop-first":
+            if event.rolling and self._serving():
+                log.info("%s: not enough room for a second process; the change is stop-first", self.name)
+            if event.spec != self.spec:
+                self._next_spec = event.spec
+            self._handle(m.Restart(event.reason) if event.spec == self.spec else m.Update(), reply)
+        else:
+            roll = self._roll = r.Rollout(event.spec, event.reason, event.spec == self.spec, r.next_key(self.name),
+                                          self._rt.clock(), self.pid, [reply] if reply is not None else [])
+            log.info("%s: rolling %s: starting a new process beside pid=%s", self.name, event.reason, self.pid)
+            self._rt.publish(Rolled(self.name, "starting", event.reason, old_pid=self.pid))
+            self._helper("roll", self._start_next(roll))
+
+    async def _start_next(self, roll: r.Rollout) -> None:
+        self._post(await r.start_next(self._rt, self, self.name, self.logs, roll))
+
+    def _next_landed(self, event: r.NextStarted) -> None:
+        roll = self._roll
+        assert roll is not None
+        outcome = r.landed(event.outcome, roll.dropping, self._serving())
+        if outcome == "switch":
+            self._switch(roll, event.payload)
+        elif outcome == "fail":
+            error = str(event.payload) if event.payload is not None else "its start was interrupted"
+            self.last_error = f"the new process failed to start; the old one keeps serving: {error}"
+            log.warning("%s: %s", self.name, self.last_error)
+            self._rt.publish(Started(self.name, roll.reason, False, self._rt.clock() - roll.began, self.generation,
+                                     None, error))
+            self._rt.publish(Rolled(self.name, "failed", roll.reason, old_pid=roll.old_pid, error=error))
+            self._end_roll()
+        elif isinstance(event.payload, process.Running):  # drop: the new process is not wanted any more
+            self._helper("roll", self._stop_next(event.payload))
+        else:
+            self._end_roll()
+
+    def _switch(self, roll: r.Rollout, running: process.Running) -> None:
+        """The new process takes the name: requests go to it from now on; the old one retires and drains."""
+        old = self._running
+        assert old is not None
+        retiree = r.Retiree(old, self.generation, self.counters.in_flight, r.old_key(self.name, old.pid))
+        self._retired[retiree.generation] = retiree
+        self._running = running
+        self.spec = self._next_spec = roll.spec
+        self._start_began, self.started_at = roll.began, time.time()
+        if self._rt.switched is not None:
+            self._rt.switched(self, retiree.key, roll.key)
+        self._apply(m.Switched(roll.reason, roll.restart), None)
+        self._helper(f"retire {retiree.generation}", self._retire(retiree))
+        log.info("%s: requests now go to pid=%s; pid=%s drains and stops", self.name, self.pid, old.pid)
+        self._rt.publish(Rolled(self.name, "switched", roll.reason, old_pid=old.pid, pid=self.pid))
+        self._end_roll()
+
+    def _give_up_roll(self) -> None:
+        """The current process stopped serving (unload, crash, reload, remove) while the next one starts: the
+        next one is stopped, and a changed spec is kept for the next start (unless a newer one is pending)."""
+        roll = self._roll
+        assert roll is not None
+        roll.dropping = True
+        roll.abort.set()
+        log.info("%s: the rolling %s is given up (the current process is %s)", self.name, roll.reason,
+                 self.state.value)
+        self._rt.publish(Rolled(self.name, "interrupted", roll.reason, old_pid=roll.old_pid))
+        if roll.spec != self.spec and not self.counters.swap and not self.counters.closed:
+            self._next_spec = roll.spec
+            self._post(m.Update())
+
+    async def _stop_next(self, running: process.Running) -> None:
+        try:
+            await process.terminate(self._rt, self.spec, running, self.logs)
+        finally:
+            self._rt.allocator.release(running.address)
+            self._post(r.NextGone())
+
+    def _end_roll(self) -> None:
+        roll, self._roll = self._roll, None
+        if roll is None:
+            return
+        for reply in roll.replies:
+            if not reply.done():
+                reply.set_result(None)
+        if roll.pending is not None:
+            self._post_reply(*roll.pending)
+
+    def _post_reply(self, event: r.Replace, reply: asyncio.Future[Any] | None) -> None:
+        self._queue.put_nowait((event, reply))
+
+    async def _retire(self, retiree: r.Retiree) -> None:
+        try:
+            death = await r.retire(self._rt, lambda: self.spec, retiree, self.logs)
+            if death is not None:
+                self._deaths[retiree.generation] = death
+                self.last_error = (f"{self.name} pid={retiree.running.pid} (replaced, draining) ended: "
+                                   f"{death.cause}, {process.exit_words(death.code)}")
+        finally:
+            self._rt.allocator.release(retiree.running.address)
+            self._post(r.RetireeGone(retiree.generation))
+
     # -- each event's own bookkeeping, before it is decided (_BEFORE) ----------------------------
 
     def _death_first(self, event: m.Want) -> m.Event:
@@ -447,6 +641,13 @@ class Backend:
         running = self._running
         if running is not None and deaths.heard_first(self.state, event, running.exited.done()):
             self._apply(self._exited(running, self.generation), None)
+        return event
+
+    def _closing(self, event: m.Close) -> m.Event:
+        """A shutdown (no drain) stops the replaced processes now too; a remove lets them drain first."""
+        if not event.drain:
+            for retiree in self._retired.values():
+                retiree.drained.set()
         return event
 
     def _forgiven(self, event: m.Forgive) -> m.Event:
@@ -673,7 +874,7 @@ class Backend:
         try:
             if reserve and not self.spec.remote and not await _unless(abort, self._rt.prepare(self)):
                 return m.Started("aborted")
-            where = self._rt.locate(self) if self._rt.locate is not None else None
+            where = self._rt.locate(self, self.name) if self._rt.locate is not None else None
             running = await process.launch(self._rt, self.spec, self.logs, abort, where)
         except process.Aborted as stopped:
             return m.Started("aborted", has_process=True, payload=stopped.running)
@@ -738,40 +939,33 @@ class NoRoom(Exception):
 
 
 async def _unless(abort: asyncio.Event, hook: Awaitable[None]) -> bool:
-    """Run the ``before_start`` hook unless ``abort`` comes first; False when aborted."""
-    task = asyncio.ensure_future(hook)
-    aborted = asyncio.ensure_future(abort.wait())
+    """Run the ``before_start`` hooks unless ``abort`` comes first; False when aborted."""
     try:
-        await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        aborted.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return False
-    try:
-        task.result()
+        return await unless_aborted(abort, hook)
     except BackendUnavailable as exc:
         raise NoRoom(exc) from None
     except Exception as exc:
         log.warning("before_start failed: %r", exc)
         raise NoRoom(BackendUnavailable(f"cannot start: {exc}")) from None
-    return True
 
 
 class InFlight:
-    """``async with backend.request() as lease``: admitted on entry, counted done on exit (whatever happened)."""
+    """``async with backend.request() as lease``: admitted on entry, counted done on exit (whatever happened),
+    against the process it was admitted to (a rolling replacement may have retired it meanwhile)."""
 
-    __slots__ = ("_backend",)
+    __slots__ = ("_backend", "_generation")
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._generation = 0
 
     async def __aenter__(self) -> Lease:
-        return await self._backend._admitted()
+        lease = await self._backend._admitted()
+        self._generation = lease.generation
+        return lease
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._backend._finished()
+        await self._backend._finished(self._generation)
 
 
 _WANT_ONE = m.Want(count=True)
@@ -779,6 +973,7 @@ _DONE = m.Done()
 
 #: Each event's own bookkeeping before it is decided (:meth:`Backend._handle`).
 _BEFORE: dict[type, Callable[[Backend, Any], m.Event]] = {
+    m.Close: Backend._closing,
     m.Want: Backend._death_first,
     m.Forgive: Backend._forgiven,
     m.Retune: Backend._retuned,

@@ -12,8 +12,8 @@ from typing import Any, Literal
 __all__ = [
     "Abort", "Admit", "Arm", "Blame", "Close", "Disarm", "Done", "DrainTimeout", "Effect", "Event", "Exited",
     "FailParked", "FollowUp", "Forgive", "GiveUp", "Hung", "IdleTick", "Notify", "Park", "Reap", "Reaped", "Refuse",
-    "Restart", "RetryDue", "Retune", "Spawn", "Started", "Stop", "Swap", "Terminate", "Timer", "Update", "Wake", "Want",
-    "Watch",
+    "Restart", "RetryDue", "Retune", "Spawn", "Started", "Stop", "Swap", "Switched", "Terminate", "Timer", "Update",
+    "Wake", "Want", "Watch",
 ]
 
 Timer = Literal["idle", "retry", "drain"]
@@ -138,9 +138,19 @@ class KeepAlive:
     keep_s: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class Switched:
+    """A rolling replacement's new process (READY beside the current one: procman/rolling.py) takes over; the
+    requests in flight stay with the old process, which drains apart. ``restart``: the same spec again (a
+    manual restart, told as one), else a reload."""
+
+    reason: str = "reload"
+    restart: bool = False
+
+
 Event = (
     Want | Done | Stop | Close | Restart | Update | Retune | Started | Exited | Hung | Reaped | RetryDue | IdleTick
-    | DrainTimeout | Forgive | KeepAlive
+    | DrainTimeout | Forgive | KeepAlive | Switched
 )
 
 

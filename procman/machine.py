@@ -48,6 +48,7 @@ from procman.events import (
     Started,
     Stop,
     Swap,
+    Switched,
     Terminate,
     Update,
     Wake,
@@ -94,6 +95,7 @@ __all__ = [
     "Started",
     "Stop",
     "Swap",
+    "Switched",
     "Terminate",
     "Update",
     "Wake",
@@ -553,6 +555,16 @@ def _on_forgive(state: State, e: Forgive, c: Counters, p: Policy, now: float) ->
     return _same(state, c, FollowUp(RetryDue()) if delay <= 0 else Arm("retry", delay))
 
 
+def _on_switched(state: State, e: Switched, c: Counters, p: Policy, now: float) -> Decision:
+    if state is not S.READY or c.draining or c.closed:
+        return _same(state, c)  # the owner switches only a READY process that keeps serving
+    # READY -> READY: a new process took over (a rolling replacement); the old one's requests drain with it
+    c = c._replace(generation=c.generation + 1, ready_at=now, idle_since=now, in_flight=0, failures=0,
+                   backoff_until=None, keep_s=None, reason=e.reason, died=False)
+    restart: tuple[Effect, ...] = (Notify("restart", e.reason),) if e.restart else ()
+    return _same(state, c, Notify("start", e.reason), *restart, Watch(), *_arm_idle(c, p, now))
+
+
 _HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]] = {
     Want: _on_want,
     Done: _on_done,
@@ -570,4 +582,5 @@ _HANDLERS: dict[type, Callable[[State, Any, Counters, Policy, float], Decision]]
     IdleTick: _on_idle,
     DrainTimeout: _on_drain_timeout,
     KeepAlive: _on_keep_alive,
+    Switched: _on_switched,
 }

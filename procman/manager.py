@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from pathlib import Path
 from types import MappingProxyType
 
+from procman import rolling
 from procman.address import DEFAULT_PORT_RANGE, AddressAllocator
 from procman.backend import Backend
 from procman.errors import BackendUnavailable
@@ -40,8 +41,6 @@ Budgets = Callable[[], Mapping[str, int]]
 Cluster = Callable[[], Awaitable[Sequence[Node]]]
 #: A step before a backend's start from no process (see :data:`procman.runtime.Hook`).
 BeforeStart = Hook[Backend]
-#: Suffix of the key under which a rolling change's new process is counted until it takes the name.
-NEW = " (new)"
 
 
 class ProcessManager:
@@ -57,7 +56,8 @@ class ProcessManager:
     ``min_residency_s``) and ``budgets()`` the bytes each device allows; :meth:`make_room`
     then also fits the device's budget (:func:`procman.placement.place`), starts one backend
     per budgeted device at a time, and serves waiting starts in arrival order. A rolling
-    change runs a :meth:`successor` beside the current process and :meth:`promote` swaps them.
+    replacement (``Backend.replace``, :mod:`procman.rolling`) counts both processes while both live
+    (``Backend.seats``), and :meth:`can_roll` says whether a second one fits.
 
     Nodes: with ``cluster`` (an engine with nodes, :mod:`procman.rayengine`), every start is
     also placed on a node (:func:`procman.nodes.choose_node`: budgets per node, a backend's
@@ -92,6 +92,9 @@ class ProcessManager:
             on_change=self._changed,
             log_lines=log_lines,
             locate=self._where if cluster is not None else None,
+            fits_beside=lambda backend: self.can_roll(backend.name, self._scopes_of(backend.name)),
+            beside=self._reserve_beside,
+            switched=self._switched,
         )
         self.cluster = cluster
         self.nodes: Sequence[Node] = ()  # the cluster's nodes at the last placement decision
@@ -107,7 +110,6 @@ class ProcessManager:
         self.backends: Mapping[str, Backend] = MappingProxyType(self._backends)
         self._holding: set[str] = set()  # granted room, process not yet gone
         self._evicting: set[str] = set()
-        self._extra: dict[str, Backend] = {}  # rolling changes: "<name> (new)" and "<name> (old pid N)"
         self._waiting: list[tuple[str, str | None]] = []  # starts waiting for room, in arrival order: (key, device)
         self._change = asyncio.Event()
         self._room_waiters = 0
@@ -154,9 +156,8 @@ class ProcessManager:
         """Stop every backend at once (no drain), bounded; whatever outlives the bound is SIGKILLed."""
         if self.spares is not None:
             await self.spares.close()
-        backends = [*self._backends.values(), *self._extra.values()]
+        backends = list(self._backends.values())
         self._backends.clear()
-        self._extra.clear()
         if backends:
             bound = max(b.spec.stop_timeout_s for b in backends) + SHUTDOWN_GRACE_S
             closing = [asyncio.ensure_future(b.close(drain=False)) for b in backends]
@@ -187,7 +188,7 @@ class ProcessManager:
     def holders(self) -> list[Holder]:
         """What holds memory on each device: loaded backends, and both processes of a rolling change."""
         holders = [self._holder(name, backend, name in self._evicting) for name, backend in self._held()]
-        holders += [self._holder(key, backend, not key.endswith(NEW)) for key, backend in self._extra.items()]
+        holders += [self._holder(seat.key, b, not seat.starting, seat.starting) for seat, b in self._seats()]
         return holders + self.spares.holders() if self.spares is not None else holders
 
     def _spare_fits(self, device: str | None, size_bytes: int) -> bool:
@@ -212,13 +213,20 @@ class ProcessManager:
             if backend is not None:
                 yield name, backend
 
-    def _holder(self, key: str, backend: Backend, leaving: bool) -> Holder:
+    def _seats(self) -> Iterator[tuple[rolling.Seat, Backend]]:
+        """The processes of replacements that hold room beside their backend's current one."""
+        for backend in self._backends.values():
+            for seat in backend.seats():
+                yield seat, backend
+
+    def _holder(self, key: str, backend: Backend, leaving: bool, starting: bool | None = None) -> Holder:
         claim = self._claim(backend.name)
         ready_at = backend.counters.ready_at
         return Holder(
             key, claim.device, claim.size_bytes, idle=backend.is_idle(), last_used=backend.last_used or 0.0,
             pinned=claim.pinned or backend.kept_loaded, evictable_at=(ready_at or 0.0) + claim.min_residency_s,
-            starting=backend.state is State.STARTING, going=leaving or backend.state is State.STOPPING,
+            starting=backend.state is State.STARTING if starting is None else starting,
+            going=leaving or (starting is None and backend.state is State.STOPPING),
         )
 
     def _claim(self, name: str) -> Claim:
@@ -239,7 +247,7 @@ class ProcessManager:
         claim = self._claim(name)
         budgets = self.budgets() if self.budgets is not None else {}
         holders = self.holders()
-        if key != name:  # a successor never makes room by stopping the process it replaces
+        if key != name:  # a rolling start never makes room by stopping the process it replaces
             holders = [dataclasses.replace(h, pinned=True) if h.name == name else h for h in holders]
         ahead = self._ahead(key, claim.device)
         if self.cluster is not None:
@@ -274,13 +282,12 @@ class ProcessManager:
         return choice.placement
 
     def _spec_of(self, key: str, name: str) -> BackendSpec:
-        backend = self._extra.get(key) or self._backends.get(name) or self._backends.get(key.split(" (")[0])
+        backend = self._backends.get(name) or next((b for seat, b in self._seats() if seat.key == key), None)
         assert backend is not None, key
         return backend.spec
 
-    def _where(self, backend: Backend) -> Where:
-        """The node ``backend``'s start was granted on (procman decided; the engine runs it there)."""
-        key = self._backend_key(backend) or backend.name
+    def _where(self, backend: Backend, key: str) -> Where:
+        """The node ``backend``'s start (counted as ``key``) was granted on (procman decided; the engine runs it)."""
         node = self._placed.get(key) or self._choice.get(key)
         if node is None:
             raise BackendUnavailable(f"{backend.name}: no node was chosen for this start")
@@ -288,8 +295,7 @@ class ProcessManager:
 
     def node_of(self, backend: Backend) -> Node | None:
         """The node ``backend`` holds room on (an engine with nodes), else None."""
-        key = self._backend_key(backend)
-        return self._placed.get(key) if key is not None else None
+        return self._placed.get(backend.name) if self._backends.get(backend.name) is backend else None
 
     def _ahead(self, key: str, device: str | None) -> bool:
         for other, other_device in self._waiting:
@@ -379,7 +385,7 @@ class ProcessManager:
             retry_after_s=BUSY_RETRY_AFTER_S,
         )
 
-    # -- rolling changes --------------------------------------------------------------------------
+    # -- rolling replacements (procman/rolling.py: the backend owns both processes) --------------
 
     def can_roll(self, name: str, scopes: Sequence[Scope]) -> bool:
         """Whether a second process of ``name`` fits beside the first now, without stopping anything."""
@@ -388,51 +394,21 @@ class ProcessManager:
             loaded = sum(1 for m in members if m.name in scope.members)
             if scope.limit > 0 and name in scope.members and loaded + 1 > scope.limit:
                 return False
-        return self.place(name + NEW, name).fits
+        return self.place(rolling.next_key(name), name).fits
 
-    def successor(self, name: str, spec: BackendSpec) -> Backend:
-        """A new backend for ``name`` running ``spec`` beside the current one; routed to once :meth:`promote`d."""
-        current = self._backends[name]
-        backend = Backend(spec, self._runtime)
-        backend.logs = current.logs  # one log per model, whichever process writes it
-        backend.counters = backend.counters._replace(generation=current.generation)  # generations stay unique
-        self._extra[name + NEW] = backend
-        return backend
+    def _scopes_of(self, name: str) -> Sequence[Scope]:
+        return self.scopes(name) if self.scopes is not None else ()
 
-    async def drop_successor(self, name: str) -> None:
-        """A successor that failed to start: stop and forget it; the current backend keeps serving."""
-        backend = self._extra.get(name + NEW)
-        if backend is not None:
-            await backend.close(drain=False)  # counted until its process is gone
-            self._extra.pop(name + NEW, None)
-        self._signal()
+    async def _reserve_beside(self, backend: Backend, key: str) -> None:
+        """Room for a rolling start's process (counted as ``key``) beside ``backend``'s current one."""
+        await self.make_room(backend.name, self._scopes_of(backend.name), backend.spec.startup_timeout_s, key=key)
 
-    def promote(self, name: str, restart_reason: str | None = None) -> Backend:
-        """The successor takes ``name``; the old backend is returned (for the caller to drain and close).
-
-        The old process's memory counts until it has exited. ``restart_reason``: tell the
-        subscribers the model was restarted (``Restarted``), as a stop-first restart would.
-        """
-        new = self._extra.pop(name + NEW)
-        old = self._backends[name]
-        self._backends[name] = new
-        self._extra[f"{name} (old pid {old.pid})"] = old
-        self._holding.add(name)
-        if name in self._placed:
-            self._placed[f"{name} (old pid {old.pid})"] = self._placed[name]
-        if name + NEW in self._placed:
-            self._placed[name] = self._placed.pop(name + NEW)
-        if restart_reason is not None:
-            new.restarts = old.restarts + 1
-            self._runtime.publish(new.restarted(restart_reason))
-        self._signal()
-        return old
-
-    def _backend_key(self, backend: Backend) -> str | None:
-        """The key a backend's room is counted under: its name, an extra's key, or None (not counted)."""
-        if self._backends.get(backend.name) is backend:
-            return backend.name
-        return next((key for key, extra in self._extra.items() if extra is backend), None)
+    def _switched(self, backend: Backend, old_key: str, new_key: str) -> None:
+        """A rolling start's process took ``backend``'s name: the nodes their room is held on follow."""
+        if backend.name in self._placed:
+            self._placed[old_key] = self._placed[backend.name]
+        if new_key in self._placed:
+            self._placed[backend.name] = self._placed.pop(new_key)
 
     def _evict(self, victim: str, target: str, reason: str) -> None:
         if self.spares is not None and self.spares.owns(victim):
@@ -450,9 +426,7 @@ class ProcessManager:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _reserve(self, backend: Backend) -> None:
-        key = self._backend_key(backend) or backend.name
-        scopes = self.scopes(backend.name) if self.scopes is not None else ()
-        await self.make_room(backend.name, scopes, backend.spec.startup_timeout_s, key=key)
+        await self.make_room(backend.name, self._scopes_of(backend.name), backend.spec.startup_timeout_s)
 
     def _changed(self, backend: Backend) -> None:
         state = backend.state
@@ -465,10 +439,10 @@ class ProcessManager:
                     self.spares.nudge()  # a cold start may come: keep a spare for it
             elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
                 self._holding.add(backend.name)
-        elif self._extra and (state is State.STOPPED or state is State.BACKOFF):  # a rolling change's old process
-            for key in [k for k, extra in self._extra.items() if extra is backend and not k.endswith(NEW)]:
-                del self._extra[key]
-                self._placed.pop(key, None)
+        if self._placed:  # the room of a replacement's process that is gone
+            seats = {seat.key for seat, _ in self._seats()}
+            for key in [k for k in self._placed if k not in self._backends and k not in seats]:
+                del self._placed[key]
         self._signal()
 
     def _signal(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from procman.states import State
 
-__all__ = ["Evicted", "Notice", "Notices", "Restarted", "Started", "Stopped", "Transition"]
+__all__ = ["Evicted", "Notice", "Notices", "Restarted", "Rolled", "Started", "Stopped", "Transition"]
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,23 @@ class Evicted:
     reason: str
 
 
-Notice = Transition | Started | Restarted | Stopped | Evicted
-N = TypeVar("N", Transition, Started, Restarted, Stopped, Evicted)
+@dataclass(frozen=True, slots=True)
+class Rolled:
+    """A step of a rolling replacement of ``name``: ``starting`` (a new process beside ``old_pid``),
+    ``switched`` (requests now go to ``pid``; ``old_pid`` drains and stops), ``failed`` (``error``; the old
+    process keeps serving) or ``interrupted`` (the old process stopped serving meanwhile: the new one is
+    stopped, a changed spec kept for the next start)."""
+
+    name: str
+    phase: str
+    reason: str
+    old_pid: int | None = None
+    pid: int | None = None
+    error: str | None = None
+
+
+Notice = Transition | Started | Restarted | Stopped | Evicted | Rolled
+N = TypeVar("N", Transition, Started, Restarted, Stopped, Evicted, Rolled)
 
 
 class Notices:

@@ -17,7 +17,7 @@ from procman.notices import Notice, Notices
 from procman.prober import Prober
 from procman.spawner import Spawner, Where
 
-__all__ = ["Hook", "Runtime", "Sleep", "wait_done"]
+__all__ = ["Hook", "Runtime", "Sleep", "unless_aborted", "wait_done"]
 
 #: The backend type (procman.backend.Backend, which imports this module): a parameter, so the import goes one way.
 B = TypeVar("B")
@@ -42,8 +42,15 @@ class Runtime(Generic[B]):
     room: Hook[B] | None = None
     on_change: Callable[[B], None] | None = None
     log_lines: int = 1000
-    #: an engine with nodes: where a backend's start was placed (None: the local engine)
-    locate: Callable[[B], Where] | None = None
+    #: an engine with nodes: where a backend's start (counted under a key: its name, or a rolling start's) was
+    #: placed (None: the local engine)
+    locate: Callable[[B, str], Where] | None = None
+    #: rolling replacements (procman/rolling.py): whether a second process of a backend fits beside the current
+    #: one now; make room for it (counted under a key) without stopping the current one; the new process took
+    #: over (the old one's key, the new one's)
+    fits_beside: Callable[[B], bool] | None = None
+    beside: Callable[[B, str], Awaitable[None]] | None = None
+    switched: Callable[[B, str, str], None] | None = None
 
     def publish(self, notice: Notice) -> None:
         """Hand ``notice`` to its subscribers; a failing subscriber is only logged."""
@@ -75,3 +82,20 @@ async def wait_done(future: asyncio.Future[Any], timeout_s: float, sleep: Sleep)
     finally:
         timer.cancel()
     return future.done()
+
+
+async def unless_aborted(abort: asyncio.Event, step: Awaitable[None]) -> bool:
+    """Await ``step`` unless ``abort`` is set first (``step`` is then cancelled): False when aborted. What
+    ``step`` raises is raised."""
+    task = asyncio.ensure_future(step)
+    aborted = asyncio.ensure_future(abort.wait())
+    try:
+        await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        aborted.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True

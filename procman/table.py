@@ -24,6 +24,7 @@ from procman.events import (
     RetryDue,
     Started,
     Stop,
+    Switched,
     Update,
     Want,
 )
@@ -60,6 +61,7 @@ ROWS: list[tuple[str, State, Counters, Event]] = [
     ("X-Backend-Fatal: 1", S.READY, C, Restart("fatal", 1)),
     ("manual restart", S.READY, C, Restart("manual")),
     ("reload: the process must change", S.READY, C, Update()),
+    ("a rolling change's new process is READY", S.READY, C._replace(in_flight=1), Switched("manual", restart=True)),
     ("reaped after a stop", S.STOPPING, C._replace(then="stop", reason="unload"), Reaped()),
     ("reaped after a restart or reload", S.STOPPING, C._replace(then="start", reason="manual"), Reaped()),
     ("reaped after a kill (hang, fatal)", S.STOPPING, C._replace(then="fail", reason="hang", failures=2, died=True),

@@ -1,4 +1,4 @@
-"""ProcessManager.make_room with memory budgets, and rolling successors, under a fake spawner and clock.
+"""ProcessManager.make_room with memory budgets (rolling replacements: test_procman_rolling.py), under fakes.
 
 No real process and no sleep: the fake clock moves deadlines and min_residency_s.
 """
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from procman_fakes import Harness, fake_spec, settle
+from procman_fakes import Harness, settle
 
 from procman import BackendUnavailable, State
 from procman.placement import Claim
@@ -94,21 +94,6 @@ async def test_one_start_per_device_at_a_time(h: Harness) -> None:
     await h.clock.advance(2.0)
     await asyncio.gather(first, second)
     assert len(h.spawner.procs) == 2 and a.state is State.READY and b.state is State.READY
-
-
-async def test_a_successor_runs_beside_the_current_process_then_takes_the_name(h: Harness) -> None:
-    a = h.add("a")
-    await use(a)
-    assert h.manager.can_roll("a", [])
-    new = h.manager.successor("a", fake_spec("a", env={"V": "2"}))
-    await new.restart("manual")
-    assert new.state is State.READY and a.state is State.READY and len(h.spawner.alive()) == 2
-    assert new.generation == a.generation + 1
-    assert h.manager.memory()["CPU"]["used_bytes"] == 600 * M
-    old = h.manager.promote("a", restart_reason="manual")
-    assert old is a and h.manager.get("a") is new
-    await old.close(drain=True)
-    assert h.manager.memory()["CPU"]["used_bytes"] == 300 * M and len(h.spawner.alive()) == 1
 
 
 async def test_no_rolling_when_the_budget_cannot_hold_both(h: Harness) -> None:

@@ -162,14 +162,14 @@ async def test_an_unload_during_a_rolling_change_wins(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"m": sized(100, fake={"load_s": 1.0})})
     async with running_router(path) as router:
         assert await ask(router, "m") == 200
-        old = router.backend("m")
+        backend = router.backend("m")
         rewrite(path, lambda d: d["models"]["m"]["fake"].update(token_delay_s=0.001))
         await router.client.post("/api/reload")
         manager = router.service.registry.manager
-        await wait_for(lambda: "m (new)" in [h.name for h in manager.holders()], 60, "the new process to start")
+        await wait_for(lambda: len(manager.holders()) == 2, 60, "the new process to start beside the old one")
         assert (await router.client.post("/api/models/m/unload")).status_code == 200
-        await wait_for(lambda: json.loads(old.spec.env[SPEC_ENV])["fake"]["token_delay_s"] == 0.001, 60,
+        await wait_for(lambda: json.loads(backend.spec.env[SPEC_ENV])["fake"]["token_delay_s"] == 0.001, 60,
                        "the change to be kept for the next start")
-        assert "m (new)" not in [h.name for h in manager.holders()]
-        assert router.backend("m") is old and old.state is State.STOPPED
+        await wait_for(lambda: manager.holders() == [], 60, "both processes to be gone")
+        assert router.backend("m") is backend and backend.state is State.STOPPED
         assert await ask(router, "m") == 200  # a cold start of the new spec

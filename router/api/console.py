@@ -60,8 +60,6 @@ class Console:
     # -- what procman tells ----------------------------------------------------------------------
 
     def _transition(self, news: Transition) -> None:
-        if not self.registry.is_current(news.name, news.generation):
-            return  # the other process of a rolling change: its own `rolling` events tell
         self._publish_state(news.name, news.new, news.old, news.pid, news.last_error, news.started_at)
         if news.new is State.STARTING and news.name not in self._loading:
             self._loading[news.name] = asyncio.ensure_future(self._loading_ticks(news.name))
@@ -82,7 +80,7 @@ class Console:
 
     def _stopped(self, news: Stopped) -> None:
         model = self.registry.models.get(news.name)
-        if model is None or not self.registry.is_current(news.name, news.generation):
+        if model is None:
             return
         self.last_reason[news.name] = f"stop:{news.reason}"
         backend = model.backend

@@ -121,26 +121,25 @@ class StatusBus:
         future = self._changed.pop(name, None)
         if future is not None and not future.done():
             future.set_result(None)
-        self._publish_change(name, news.generation)
+        self._publish_change(name)
         if news.new is State.STARTING:
             self._start_ticker()
 
-    def _publish_change(self, name: str, generation: int | None = None) -> None:
-        """Publish the model's status when its value differs from the last one published (``generation``: only
-        when that process is the one the model routes to)."""
+    def _publish_change(self, name: str) -> None:
+        """Publish the model's status when its value differs from the last one published."""
         model = self.service.registry.models.get(name)
-        if model is None or (generation is not None and model.backend.generation != generation):
+        if model is None:
             return
         if self._published.get(name) != self.status(model)["value"]:
             self._published[name] = self._publish(model)
 
     def _started(self, news: Started) -> None:
         self._last_start_failed[news.name] = not news.ok
-        self._publish_change(news.name, news.generation)
+        self._publish_change(news.name)
 
     def _stopped(self, news: Stopped) -> None:
         self._last_start_failed.pop(news.name, None)  # stopped on purpose: unloaded, not failed
-        self._publish_change(news.name, news.generation)
+        self._publish_change(news.name)
 
     # -- load progress ------------------------------------------------------------------------
 

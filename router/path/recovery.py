@@ -112,7 +112,6 @@ class Job:
     leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
-    backend: Backend | None = None  # the backend of the current lease: a rolling change may have replaced it
     log: StreamLog | None = None
     splice: Streamed | None = None
     head_sent: bool = False
@@ -147,12 +146,9 @@ async def forward(model: Model, req: ProxyRequest, pool: Upstream, send: Send) -
         while True:
             try:
                 async with _lane(job):
-                    job.backend = model.backend
-                    async with job.backend.request() as lease:
+                    async with model.backend.request() as lease:
                         result = await _attempt(job, lease)
             except BackendUnavailable as exc:
-                if job.backend is not model.backend:
-                    continue  # a rolling change replaced (closed) it while this request waited: the new one
                 if _cut_short(job, exc):
                     continue  # an unload cut short the start it waited for: as a request a moment later, start anew
                 if not job.head_sent:
@@ -271,8 +267,8 @@ async def _relay_chunk(job: Job, chunk: bytes) -> None:
 
 async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int | None:
     """The process behind ``lease`` failed this request; decide between going again and answering."""
-    backend = job.backend or job.model.backend  # the lease's own: a retiring process is killed as hung too
-    in_flight = backend.in_flight
+    backend = job.model.backend  # the lease names its process: a replaced one draining is killed as hung too
+    in_flight = backend.in_flight_of(lease.generation)
     if cause in ("fatal", "stall", "hang"):
         why = None if cause == "fatal" else detail  # what it saw, for last_error
         stopped = cause == "hang" and backend.stopped(lease.generation)  # SIGSTOP: silenced from outside, as

@@ -15,7 +15,6 @@ from typing import Any
 from modelserver.spec import ModelSpec
 from procman import (
     LOADED,
-    Backend,
     BackendUnavailable,
     ProcessManager,
     Restarted,
@@ -92,22 +91,11 @@ class Registry:
     def _add(self, spec: ModelSpec) -> Model:
         backend = self.manager.add(backend_spec(spec, self.config.router, self.config.path))
         model = self.models[spec.name] = Model(spec, backend, Limiter(spec.name, spec.max_concurrency, spec.max_queue))
-        self.bind(model, backend)
+        self.metrics.in_flight.labels(spec.name).set_function(lambda: backend.in_flight)
         self.metrics.queued.labels(spec.name).set_function(lambda: model.limiter.queued)
         self.metrics.loaded.labels(spec.name).set(0)
         self._reindex()
         return model
-
-    def bind(self, model: Model, backend: Backend) -> None:
-        """Route ``model`` to ``backend`` (a rolling change swaps in the new process's backend)."""
-        model.backend = backend
-        self.metrics.in_flight.labels(model.spec.name).set_function(lambda: backend.in_flight)
-
-    def is_current(self, name: str, generation: int) -> bool:
-        """Whether the process ``generation`` of ``name`` is the one its model routes to (not a rolling change's
-        other process)."""
-        model = self.models.get(name)
-        return model is not None and model.backend.generation == generation
 
     def _reindex(self) -> None:
         """Lookups the hot path makes, rebuilt whenever the set of models or their specs change."""
@@ -206,8 +194,6 @@ class Registry:
     # -- what procman tells ---------------------------------------------------------------------
 
     def _transition(self, news: Transition) -> None:
-        if not self.is_current(news.name, news.generation):
-            return
         self.metrics.loaded.labels(news.name).set(1 if news.new in LOADED else 0)
         for state in State:
             self.metrics.state.labels(news.name, state.name.lower()).set(1 if state is news.new else 0)
@@ -221,5 +207,4 @@ class Registry:
         self.metrics.restarts.labels(news.name, news.reason).inc()
 
     def _stopped(self, news: Stopped) -> None:
-        if self.is_current(news.name, news.generation):
-            self.metrics.stops.labels(news.name, news.reason).inc()
+        self.metrics.stops.labels(news.name, news.reason).inc()

@@ -8,11 +8,12 @@ does the rest. It also keeps what the operator sees: the last eviction of each m
 and its reason, the memory gauges, the ``evict`` and ``rolling`` events.
 
 A *rolling* change (a reload that changes what a loaded model's process runs, or
-``POST /api/models/{name}/restart``) starts the new process beside the old one when the
-model's ``restart`` is ``rolling`` and the budget (and counts) allow both; new requests
-go to it once it is READY, and the old one finishes its in-flight requests and stops. A
-new process that fails leaves the old one serving, with the reason in ``rolling_error``.
-Otherwise the change is stop-first (procman's ``update`` / ``restart``).
+``POST /api/models/{name}/restart``) is procman's: ``backend.replace(spec, rolling=...)``
+starts the new process beside the old one when the model's ``restart`` is ``rolling`` and
+the budget (and counts) allow both; new requests go to it once it is READY, and the old
+one finishes its in-flight requests and stops. A new process that fails leaves the old
+one serving; this module hears procman's ``Rolled`` notices and keeps the reason in
+``rolling_error``, and publishes the ``rolling`` events. Otherwise the change is stop-first.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from modelserver.spec import ModelSpec
-from procman import Backend, BackendSpec, Evicted, State, Transition
+from procman import Backend, BackendSpec, Evicted, Rolled, State, Transition
 from procman.placement import Claim
 from router.state.memwatch import MemoryWatch, budgets_now
 from router.state.model import Fleet, Model
@@ -47,10 +48,9 @@ class Residency:
         self.rolling_errors: dict[str, str] = {}
         self.publish: Publish | None = None  # the router's event bus, once it exists
         self._task: asyncio.Task[None] | None = None
-        self._changing: dict[str, asyncio.Lock] = {}  # one change of a model at a time
-        self._retiring: set[asyncio.Task[None]] = set()  # old backends of rolling changes, draining
         registry.manager.subscribe(Evicted, self._evicted)
         registry.manager.subscribe(Transition, self._transition)
+        registry.manager.subscribe(Rolled, self._rolled)
 
     # -- what procman's make_room reads ----------------------------------------------------------
 
@@ -75,18 +75,16 @@ class Residency:
             self._task = asyncio.create_task(self.watch.run(), name="memory watch")
 
     async def stop(self) -> None:
-        """Stop measuring; the manager's shutdown stops the processes (retiring ones included)."""
-        tasks = [*self._retiring, *([self._task] if self._task is not None else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop measuring; the manager's shutdown stops the processes (a replacement's included)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
 
     def forget(self, name: str) -> None:
         self.watch.forget(name)
         self.evictions.pop(name, None)
         self.rolling_errors.pop(name, None)
-        self._changing.pop(name, None)
 
     # -- what the operator sees -----------------------------------------------------------------
 
@@ -113,8 +111,26 @@ class Residency:
         self._publish("evict", {"model": news.name, **record})
 
     def _transition(self, news: Transition) -> None:
-        if news.new is State.READY and self.registry.is_current(news.name, news.generation):
+        if news.new is State.READY:
             self.watch.wake()  # measure a fresh process at once
+        self.update_gauges()
+
+    def _rolled(self, news: Rolled) -> None:
+        data = {"model": news.name, "phase": news.phase, "reason": news.reason, "old_pid": news.old_pid}
+        if news.phase == "failed":
+            self.rolling_errors[news.name] = f"the new process failed to start; the old one keeps serving: {news.error}"
+            self._publish("rolling", {**data, "error": news.error})
+        elif news.phase == "switched":
+            self.rolling_errors.pop(news.name, None)
+            self.watch.wake()  # measure the fresh process at once
+            self._publish("rolling", {**data, "pid": news.pid})
+            model = self.registry.models.get(news.name)
+            started_at = model.backend.started_at if model is not None else None
+            self._publish("state", {"model": news.name, "state": State.READY.value, "old": State.READY.value,
+                                    "pid": news.pid, "reason": f"restart:{news.reason}", "last_error": None,
+                                    "started_at": started_at, "at": time.time()})  # the dashboard's new pid
+        else:
+            self._publish("rolling", data)
         self.update_gauges()
 
     def update_gauges(self) -> None:
@@ -129,74 +145,12 @@ class Residency:
         if self.publish is not None:
             self.publish(kind, data)
 
-    # -- changes of a loaded model -----------------------------------------------------------------
+    # -- changes of a loaded model (procman replaces the process: rolling where it may) ----------------
 
     async def change(self, model: Model, spec: BackendSpec) -> None:
-        """Apply a changed process spec: rolling where it may, else stop-first (procman's update)."""
-        async with self._lock(model):
-            if self._may_roll(model):
-                retired = await self._roll(model, spec, "reload")
-            else:
-                retired = None
-                await model.backend.update(spec)
-        self._retire(retired)
+        """Apply a changed process spec: rolling where the model asks and room allows, else stop-first."""
+        await model.backend.replace(spec, rolling=model.spec.restart == "rolling")
 
     async def restart(self, model: Model) -> None:
-        """``POST /api/models/{name}/restart``: rolling where it may, else stop-first."""
-        async with self._lock(model):
-            if self._may_roll(model):
-                retired = await self._roll(model, model.backend.spec, "manual")
-            else:
-                retired = None
-                await model.backend.restart("manual")
-        self._retire(retired)
-
-    def _retire(self, old: Backend | None) -> None:
-        """Drain and stop a replaced backend in the background: neither the next change nor the caller waits."""
-        if old is not None:
-            task = asyncio.create_task(old.close(drain=True), name=f"retire {old.name}")
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
-
-    def _lock(self, model: Model) -> asyncio.Lock:
-        return self._changing.setdefault(model.spec.name, asyncio.Lock())
-
-    def _may_roll(self, model: Model) -> bool:
-        name = model.spec.name
-        if model.spec.restart != "rolling" or model.backend.state is not State.READY or model.spec.url is not None:
-            return False
-        if self.registry.manager.can_roll(name, self.registry.scopes(name)):
-            return True
-        log.info("%s: not enough room for a second process; the change is stop-first", name)
-        return False
-
-    async def _roll(self, model: Model, spec: BackendSpec, reason: str) -> Backend | None:
-        """Start ``spec`` beside the current process and switch to it; the old backend (to close), or None."""
-        name, old, manager = model.spec.name, model.backend, self.registry.manager
-        successor = manager.successor(name, spec)
-        log.info("%s: rolling %s: starting a new process beside pid=%s", name, reason, old.pid)
-        self._publish("rolling", {"model": name, "phase": "starting", "reason": reason, "old_pid": old.pid})
-        await successor.restart(reason)  # a start from no process, its reason the change's; settles READY or not
-        if successor.state is not State.READY:
-            error = successor.last_error or f"it ended {successor.state.value}"
-            self.rolling_errors[name] = f"the new process failed to start; the old one keeps serving: {error}"
-            log.warning("%s: %s", name, self.rolling_errors[name])
-            self._publish("rolling", {"model": name, "phase": "failed", "reason": reason, "error": error})
-            await manager.drop_successor(name)
-            return None
-        stopped = old.state is State.STOPPED or (old.state is State.STOPPING and old.counters.then == "stop")
-        if self.registry.models.get(name) is not model or model.backend is not old or stopped:
-            await manager.drop_successor(name)  # removed, replaced or stopped meanwhile: the new process is not wanted
-            if stopped and model.backend is old:
-                await old.update(spec)  # the next start runs the new spec
-            return None
-        manager.promote(name, restart_reason=reason if reason == "manual" else None)
-        self.registry.bind(model, successor)
-        self.rolling_errors.pop(name, None)
-        log.info("%s: requests now go to pid=%s; pid=%s drains and stops", name, successor.pid, old.pid)
-        self._publish("rolling", {"model": name, "phase": "switched", "reason": reason, "old_pid": old.pid,
-                                  "pid": successor.pid})
-        self._publish("state", {"model": name, "state": successor.state.value, "old": old.state.value,
-                                "pid": successor.pid, "reason": f"restart:{reason}", "last_error": None,
-                                "started_at": successor.started_at, "at": time.time()})  # the dashboard's new pid
-        return old
+        """``POST /api/models/{name}/restart``: rolling where the model asks and room allows, else stop-first."""
+        await model.backend.replace(rolling=model.spec.restart == "rolling")

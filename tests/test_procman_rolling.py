@@ -1,0 +1,261 @@
+"""``Backend.replace``: procman's one owner of a name replaces its process, rolling where room allows.
+
+Under the fake spawner and clock: the pure decisions as tables, then the backend's replacement —
+a switch under a request in flight, a new process that fails, no room, the old process dying
+during the overlap, and a remove or shutdown in the middle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from procman_fakes import FakeProcess, Harness, fake_spec, settle
+
+from procman import Backend, Rolled, State
+from procman import rolling as r
+from procman.placement import Claim
+
+pytestmark = pytest.mark.timeout(30)
+
+M = 1024 * 1024
+SIZES = {"a": 300, "b": 300, "c": 300}
+NEW_SPEC = {"env": {"V": "2"}}
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = Harness(tmp_path)
+    harness.manager.claims = lambda name: Claim("CPU", SIZES.get(name, 0) * M)
+    harness.manager.budgets = lambda: {"CPU": 1024 * M}
+    yield harness
+    await harness.close()
+    assert harness.spawner.alive() == []
+
+
+def rolled(h: Harness) -> list[Rolled]:
+    heard: list[Rolled] = []
+    h.manager.subscribe(Rolled, heard.append)
+    return heard
+
+
+def used(h: Harness) -> int:
+    return h.manager.memory()["CPU"]["used_bytes"] // M
+
+
+class Held:
+    """A request held open on a backend until ``release()``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.lease: Any = None
+        self._go = asyncio.Event()
+        self._in = asyncio.Event()
+        self.task = asyncio.ensure_future(self._hold(backend))
+
+    async def _hold(self, backend: Backend) -> None:
+        async with backend.request() as lease:
+            self.lease = lease
+            self._in.set()
+            await self._go.wait()
+
+    async def admitted(self) -> Held:
+        await self._in.wait()
+        return self
+
+    async def release(self) -> None:
+        self._go.set()
+        await self.task
+
+
+def unhealthy_next(h: Harness) -> None:
+    """The next spawned process does not answer its health path until told."""
+    def script(proc: FakeProcess) -> None:
+        proc.healthy = False
+    h.spawner.on_spawn = script
+
+
+# -- the decisions, as tables --------------------------------------------------------------------
+
+CHOOSE = [
+    ("busy-waits", (True, True, False, True, True), "wait"),
+    ("rolling-serving-fits-rolls", (True, True, False, False, True), "roll"),
+    ("no-room-is-stop-first", (True, True, False, False, False), "stop-first"),
+    ("not-asked-is-stop-first", (False, True, False, False, True), "stop-first"),
+    ("not-serving-is-stop-first", (True, False, False, False, True), "stop-first"),
+    ("remote-is-stop-first", (True, True, True, False, True), "stop-first"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), [c[1:] for c in CHOOSE], ids=[c[0] for c in CHOOSE])
+def test_choose(args: tuple[bool, bool, bool, bool, bool], expected: str) -> None:
+    rolling, serving, remote, busy, fits = args
+    assert r.choose(rolling, serving, remote, busy, lambda: fits) == expected
+
+
+LANDED = [
+    ("up-and-serving-switches", ("ok", False, True), "switch"),
+    ("failed-keeps-the-old", ("failed", False, True), "fail"),
+    ("aborted-keeps-the-old", ("aborted", False, True), "fail"),
+    ("current-left-drops", ("ok", False, False), "drop"),
+    ("given-up-drops", ("ok", True, True), "drop"),
+    ("given-up-and-failed-drops", ("failed", True, False), "drop"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), [c[1:] for c in LANDED], ids=[c[0] for c in LANDED])
+def test_landed(args: tuple[Any, bool, bool], expected: str) -> None:
+    assert r.landed(*args) == expected
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+
+async def test_a_rolling_change_switches_new_requests_while_the_old_one_finishes_its_own(h: Harness) -> None:
+    heard = rolled(h)
+    a = h.add("a")
+    held = await Held(a).admitted()
+    old_proc, old_gen = h.spawner.last, a.generation
+    unhealthy_next(h)
+    change = asyncio.ensure_future(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    await h.clock.advance(1.0)
+    assert len(h.spawner.alive()) == 2 and used(h) == 600  # both processes count while both live
+    assert a.pid == old_proc.pid and not change.done()  # the old one serves until the new one is READY
+    h.spawner.last.healthy = True
+    await h.clock.run(change)
+    new_proc = h.spawner.last
+    assert a.pid == new_proc.pid and a.spec.env["V"] == "2" and a.state is State.READY
+    assert [n.phase for n in heard] == ["starting", "switched"] and heard[-1].old_pid == old_proc.pid
+    fresh = await Held(a).admitted()  # a new request goes to the new process
+    assert fresh.lease.generation == old_gen + 1 and fresh.lease.pid == new_proc.pid
+    assert a.in_flight == 1 and a.in_flight_of(old_gen) == 1 and old_proc.alive  # the old one still serves its own
+    await held.release()  # ...and its end counts against the old process, which then stops
+    await settle()
+    assert not old_proc.alive and new_proc.alive and a.in_flight == 1 and used(h) == 300
+    await fresh.release()
+    assert a.in_flight == 0 and a.failures == 0 and len(h.spawner.procs) == 2
+
+
+async def test_a_rolling_restart_of_the_same_spec_is_told_as_a_restart(h: Harness) -> None:
+    a = h.add("a")
+    await a.ensure_ready()
+    await h.clock.run(a.replace(rolling=True))
+    assert a.restarts == 1 and h.recorder.restarts == [("a", "manual")]
+    assert h.recorder.starts[-1] == ("a", "manual", True) and len(h.spawner.alive()) == 1
+
+
+async def test_a_new_process_that_fails_leaves_the_old_one_serving(h: Harness) -> None:
+    heard = rolled(h)
+    a = h.add("a")
+    await a.ensure_ready()
+    pid = a.pid
+
+    def broken(proc: FakeProcess) -> None:
+        proc.say("the new weights are corrupt")
+        proc.exit(1)
+
+    h.spawner.on_spawn = broken
+    await h.clock.run(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    assert a.pid == pid and a.state is State.READY and "V" not in a.spec.env
+    assert [n.phase for n in heard] == ["starting", "failed"] and "corrupt" in (heard[-1].error or "")
+    assert "old one keeps serving" in (a.last_error or "") and used(h) == 300
+    assert h.recorder.starts[-1] == ("a", "reload", False) and a.failures == 0
+    async with a.request() as lease:
+        assert lease.pid == pid
+
+
+async def test_without_room_for_both_the_change_is_stop_first(h: Harness) -> None:
+    heard = rolled(h)
+    a, b, c = h.add("a"), h.add("b"), h.add("c")
+    for backend in (a, b, c):
+        await backend.ensure_ready()
+    old = h.spawner.procs[0]
+    assert not h.manager.can_roll("a", [])
+    await h.clock.run(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    assert heard == [] and not old.alive and a.spec.env["V"] == "2" and a.state is State.READY
+    assert h.recorder.edges("a")[-3:] == [(State.READY, State.STOPPING), (State.STOPPING, State.STARTING),
+                                         (State.STARTING, State.READY)]
+    assert used(h) == 900 and b.state is State.READY and c.state is State.READY  # nobody was evicted
+
+
+async def test_the_old_process_dying_while_it_drains_is_reaped_not_relaunched(h: Harness) -> None:
+    a = h.add("a")
+    held = await Held(a).admitted()
+    old_proc, old_gen = h.spawner.last, a.generation
+    await h.clock.run(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    old_proc.exit(1)  # the request it serves crashed it
+    await h.clock.advance(1.0)
+    death = a.death(old_gen)
+    assert death is not None and death.cause == "crash" and death.in_flight == 1 and death.blamed
+    assert a.state is State.READY and a.failures == 0 and len(h.spawner.procs) == 2 and used(h) == 300
+    await held.release()  # the request of the dead process still ends cleanly
+    assert a.in_flight == 0
+
+
+async def test_the_old_process_dying_while_the_new_one_starts_gives_the_roll_up_and_keeps_the_change(
+        h: Harness) -> None:
+    heard = rolled(h)
+    a = h.add("a")
+    await a.ensure_ready()
+    old_proc = h.spawner.last
+    unhealthy_next(h)
+    change = asyncio.ensure_future(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    await h.clock.advance(1.0)
+    h.spawner.on_spawn = None
+    old_proc.exit(1)
+    await h.clock.run(change)
+    await h.clock.run(a.ensure_ready())
+    assert [n.phase for n in heard] == ["starting", "interrupted"]
+    assert a.spec.env["V"] == "2" and a.state is State.READY and len(h.spawner.alive()) == 1
+    assert h.spawner.alive()[0].env.get("V") == "2" and used(h) == 300
+
+
+async def test_a_request_that_saw_the_old_process_hang_kills_it_at_once(h: Harness) -> None:
+    a = h.add("a", drain_timeout_s=300.0)
+    held = await Held(a).admitted()
+    old_proc, old_gen = h.spawner.last, a.generation
+    await h.clock.run(a.replace(fake_spec("a", drain_timeout_s=300.0, **NEW_SPEC), rolling=True))
+    old_proc.ignore_term = True
+    await a.restart("hang", generation=old_gen)  # the new process is not touched
+    await h.clock.advance(1.0)
+    assert not old_proc.alive and old_proc.signals[-1] == 9 and a.state is State.READY and a.generation == old_gen + 1
+    await held.release()
+
+
+async def test_remove_during_a_rolling_start_leaves_no_process(h: Harness) -> None:
+    a = h.add("a")
+    await a.ensure_ready()
+    unhealthy_next(h)
+    change = asyncio.ensure_future(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    await h.clock.advance(1.0)
+    assert len(h.spawner.alive()) == 2
+    await h.clock.run(h.manager.remove("a"))
+    await h.clock.run(change)
+    assert h.spawner.alive() == [] and used(h) == 0
+
+
+async def test_shutdown_while_the_old_process_drains_leaves_no_process(h: Harness) -> None:
+    a = h.add("a", drain_timeout_s=300.0)
+    held = await Held(a).admitted()
+    await h.clock.run(a.replace(fake_spec("a", drain_timeout_s=300.0, **NEW_SPEC), rolling=True))
+    assert len(h.spawner.alive()) == 2
+    await h.clock.run(h.manager.shutdown())
+    assert h.spawner.alive() == []
+    await held.release()
+
+
+async def test_a_second_change_during_a_rolling_one_follows_it(h: Harness) -> None:
+    a = h.add("a")
+    await a.ensure_ready()
+    unhealthy_next(h)
+    first = asyncio.ensure_future(a.replace(fake_spec("a", env={"V": "2"}), rolling=True))
+    await h.clock.advance(1.0)
+    h.spawner.on_spawn = None
+    second = asyncio.ensure_future(a.replace(fake_spec("a", env={"V": "3"}), rolling=True))
+    await settle()
+    h.spawner.last.healthy = True
+    await h.clock.run(asyncio.gather(first, second))
+    assert a.spec.env["V"] == "3" and a.state is State.READY and len(h.spawner.alive()) == 1
+    assert h.spawner.alive()[0].env["V"] == "3"
