@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from router.edge.heartbeat import Watch
-from router.edge.httpclient import UpstreamHung
+from router.edge.httpclient import UpstreamError, UpstreamHung
 from tests.router_fakes import Call, FakeReply, FakeRouter, chat, echo, fake_router
 from tests.test_router_httpclient import Server, backend, get
 
@@ -229,3 +230,63 @@ async def test_a_request_in_a_sigstopped_process_during_a_drain_is_served(tmp_pa
         reply = request.result()
         assert reply.status == 200 and reply.json()["choices"][0]["message"]["content"] == "innocent", reply.body
         assert reply.json()["pid"] != stopped[0] and changing.result() == 200
+
+
+async def test_a_request_a_wedged_process_never_began_is_innocent_and_the_poison_is_named(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": QUICK}) as r:
+        wedged: set[int] = set()
+        sent: list[str] = []
+
+        async def server(call: Call) -> FakeReply:
+            assert call.proc is not None
+            sent.append(call.text)
+            if call.proc.pid in wedged:  # its event loop is blocked: not even the first heartbeat goes out
+                await silent_until_killed(call)
+            call.beat()
+            if "[[hang]]" in call.text:
+                wedged.add(call.proc.pid)
+                await silent_until_killed(call)
+            return await echo(call)
+
+        r.upstream.handler = server
+        assert (await r.post("/v1/chat/completions", chat("echo", "warm"))).status == 200  # heartbeats heard
+        poison = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", "poison [[hang]]")))
+        await asyncio.wait_for(_until(lambda: bool(wedged)), BOUND_S)
+        innocent = await asyncio.wait_for(r.post("/v1/chat/completions", chat("echo", "innocent")), BOUND_S)
+        assert innocent.status == 200 and innocent.json()["choices"][0]["message"]["content"] == "innocent"
+        named = await asyncio.wait_for(poison, BOUND_S)
+        assert named.status == 502 and named.json()["error"]["code"] == "request_crashed_model", named.body
+        assert sent.count("innocent") == 2 and sent.count("poison [[hang]]") == 2  # shared once, then alone
+
+
+async def silent_until_killed(call: Call) -> None:
+    """Say nothing until the process is killed; then the connection drops, as a real one's does."""
+    assert call.proc is not None
+    await asyncio.wait_for(call.proc.wait(), BOUND_S)
+    raise UpstreamError("backend closed the connection")
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)
+
+
+async def test_a_lone_request_to_a_process_wedged_before_it_came_is_retried_not_named(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": QUICK}) as r:
+        wedged: set[int] = set()
+
+        async def server(call: Call) -> FakeReply:
+            assert call.proc is not None
+            if call.proc.pid in wedged:
+                await silent_until_killed(call)
+            call.beat()
+            return await echo(call)
+
+        r.upstream.handler = server
+        warm = await r.post("/v1/chat/completions", chat("echo", "warm"))  # its processes send heartbeats
+        proc = next(p for p in r.harness.spawner.procs if p.pid == warm.json()["pid"])
+        wedged.add(proc.pid)
+        proc.healthy = False  # wedged between requests (a driver call that never returned): probes fail too
+        asking = r.post("/v1/chat/completions", chat("echo", "innocent"))
+        reply = await asyncio.wait_for(r.harness.clock.run(asking, step=0.1), BOUND_S)  # the probes find it
+        assert reply.status == 200 and reply.json()["pid"] != proc.pid, reply.body  # it never reached the app

@@ -112,6 +112,7 @@ class Job:
     leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
+    watch: Watch | None = None  # the current attempt's heartbeat watch (router/edge/heartbeat.py)
     log: StreamLog | None = None
     splice: Streamed | None = None
     head_sent: bool = False
@@ -172,8 +173,9 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
     """One exchange with one process: the status relayed, or None to go again on a fresh process."""
     spec = job.model.spec
     try:
+        job.watch = _watch(job)
         resp = await job.pool.request(lease.address, job.req.method, spec.path_prefix + job.req.path,
-                                      job.req.headers, job.body, spec.request_timeout_s, _watch(job))
+                                      job.req.headers, job.body, spec.request_timeout_s, job.watch)
     except UpstreamHung as exc:  # its heartbeats stopped, or say its generation stands still
         log.warning("%s: %s; killing the process as hung", job.name, exc)
         return await _died(job, lease, exc.cause, str(exc))
@@ -182,6 +184,8 @@ async def _attempt(job: Job, lease: Lease) -> int | None:
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))
     except UpstreamError as exc:
         return await _died(job, lease, None, str(exc))
+    if job.watch is not None and job.watch.last_beat is not None:
+        job.model.heard = True  # this model's processes send heartbeats: silence from one now means something
     try:
         if resp.header(b"x-backend-fatal") == b"1":
             return await _died(job, lease, "fatal", await _detail(resp))
@@ -284,8 +288,9 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     job.deaths.append(lease.generation)
     if restart is not None:  # queued now: the next attempt lands on the fresh process; never awaited
         _background(restart)  # inside a lease (a drain would wait for the lease, the answer for the drain)
-    choice = verdict(death, second=job.tries > 0, streaming=job.head_sent)
-    shared = suspect(death)
+    unheard = _unheard(job)  # its process never began on it (no heartbeat): innocent, and no suspect
+    choice = "again" if unheard else verdict(death, second=job.tries > 0, streaming=job.head_sent)
+    shared = suspect(death) and not unheard
     if choice == "again" and job.tries < job.budget(shared) and _prepare_again(job):
         job.tries += 1
         job.suspect = shared
@@ -321,6 +326,18 @@ async def _lane(job: Job) -> AsyncIterator[None]:
             yield
         finally:
             job.leave_lane = None
+
+
+def _unheard(job: Job) -> bool:
+    """Whether the process died before it began on this request: no heartbeat came, from a model whose
+    processes send them (the first one goes before the request's body is read)."""
+    watch = job.watch
+    if watch is None or job.head_sent:
+        return False
+    if watch.last_beat is not None:
+        job.model.heard = True
+        return False
+    return job.model.heard
 
 
 def _lane_hold_s(job: Job) -> float:

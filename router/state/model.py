@@ -30,6 +30,9 @@ class Model:
     #: The suspect lane: the retries of requests caught together in a death run one at a time, new requests
     #: wait for them (router.path.recovery; waited for outside any lease, never while holding one).
     suspects: SuspectLane = field(default_factory=SuspectLane)
+    #: Its model servers answer with heartbeats (router.edge.heartbeat): a request that got none from a process
+    #: that died was never begun there, so it cannot be the cause. Written only by router.path.recovery.
+    heard: bool = False
 
 
 class Fleet(Protocol):
