@@ -393,7 +393,10 @@ class Backend:
         except asyncio.CancelledError:
             if count and reply.done() and not reply.cancelled() and reply.exception() is None:
                 retiree = self._retired.get(reply.result().generation)  # admitted, but the caller went away
-                retiree.done() if retiree is not None else self._post(m.Done())
+                if retiree is not None:
+                    retiree.done()
+                else:
+                    self._post(m.Done())
             raise
 
     async def _ask(self, event: Event) -> None:

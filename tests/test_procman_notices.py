@@ -16,6 +16,7 @@ from procman import (
     BackendUnavailable,
     Evicted,
     Restarted,
+    Rolled,
     Scope,
     Started,
     State,
@@ -25,7 +26,7 @@ from procman import (
 
 pytestmark = pytest.mark.timeout(30)
 
-KINDS: tuple[type[Any], ...] = (Transition, Started, Restarted, Stopped, Evicted)
+KINDS: tuple[type[Any], ...] = (Transition, Started, Restarted, Stopped, Evicted, Rolled)
 
 
 @pytest.fixture
@@ -45,12 +46,16 @@ async def test_every_kind_of_notice_reaches_its_subscribers_once_as_a_frozen_val
     await a.restart("manual")
     await b.ensure_ready()  # a is evicted to make room
     await b.stop("unload")
+    c = h.add("c")  # outside the scope: room for two of it
+    await c.ensure_ready()
+    await c.replace(rolling=True)
     kinds = [type(n) for n in heard]
     assert set(kinds) == set(KINDS)
     assert [(n.name, n.target, n.reason) for n in heard if isinstance(n, Evicted)] == [("a", "b", "max_loaded")]
-    assert [(n.name, n.reason) for n in heard if isinstance(n, Restarted)] == [("a", "manual")]
+    assert [(n.name, n.reason) for n in heard if isinstance(n, Restarted)] == [("a", "manual"), ("c", "manual")]
     assert [(n.name, n.reason, n.ok) for n in heard if isinstance(n, Started)] == [
-        ("a", "cold", True), ("a", "manual", True), ("b", "cold", True)]
+        ("a", "cold", True), ("a", "manual", True), ("b", "cold", True), ("c", "cold", True), ("c", "manual", True)]
+    assert [(n.name, n.phase) for n in heard if isinstance(n, Rolled)] == [("c", "starting"), ("c", "switched")]
     assert [(n.name, n.reason) for n in heard if isinstance(n, Stopped)] == [("a", "evict"), ("b", "unload")]
     assert [(n.name, n.old, n.new) for n in heard if isinstance(n, Transition)] == h.recorder.transitions
     for notice in heard:
