@@ -102,6 +102,7 @@ class ProcessManager:
         #: names of the nodes a backend must not start on now (its device is unhealthy there), by backend name
         self.avoid: Callable[[str], Collection[str]] | None = None
         self._placed: dict[str, Node] = {}  # key -> the node its room is held on (an engine with nodes)
+        self._seated: set[str] = set()  # keys of replacements' processes holding room at the last change
         self._choice: dict[str, Node] = {}  # key -> the node the last placement decision named
         self.scopes = scopes
         self.claims = claims
@@ -439,10 +440,11 @@ class ProcessManager:
                     self.spares.nudge()  # a cold start may come: keep a spare for it
             elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
                 self._holding.add(backend.name)
-        if self._placed:  # the room of a replacement's process that is gone
+        if self._placed:  # the room of a replacement's process that is gone (seen holding it before)
             seats = {seat.key for seat, _ in self._seats()}
-            for key in [k for k in self._placed if k not in self._backends and k not in seats]:
-                del self._placed[key]
+            for key in self._seated - seats:
+                self._placed.pop(key, None)
+            self._seated = seats
         self._signal()
 
     def _signal(self) -> None:

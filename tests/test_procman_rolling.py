@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from procman_fakes import FakeProcess, Harness, fake_spec, settle
+from procman_fakes import FakeProcess, FakeSpawner, Harness, fake_spec, settle
 
 from procman import Backend, Rolled, State
 from procman import rolling as r
+from procman.nodes import Node
 from procman.placement import Claim
+from procman.spawner import Where
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -259,3 +261,40 @@ async def test_a_second_change_during_a_rolling_one_follows_it(h: Harness) -> No
     await h.clock.run(asyncio.gather(first, second))
     assert a.spec.env["V"] == "3" and a.state is State.READY and len(h.spawner.alive()) == 1
     assert h.spawner.alive()[0].env["V"] == "3"
+
+
+class NodeSpawner(FakeSpawner):
+    """A fake engine with nodes: remembers where each process was placed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[str] = []
+
+    async def spawn(self, argv: Any, env: Any, cwd: Any, on_line: Any, where: Where | None = None) -> FakeProcess:
+        self.nodes.append(where.node if where is not None else "")
+        return await super().spawn(argv, env, cwd, on_line)
+
+
+async def test_on_a_cluster_the_new_process_takes_the_name_and_its_node(tmp_path: Path) -> None:
+    nodes = [Node("n1", "one", "127.0.0.1"), Node("n2", "two", "127.0.0.1")]
+
+    async def cluster() -> list[Node]:
+        return nodes
+
+    h = Harness(tmp_path, cluster=cluster)
+    spawner = h.manager._runtime.spawner = NodeSpawner()
+    h.prober.spawner = spawner
+    try:
+        a = h.add("a", transport="tcp")
+        held = await Held(a).admitted()
+        first = h.manager.node_of(a)
+        await h.clock.run(a.replace(fake_spec("a", transport="tcp", **NEW_SPEC), rolling=True))
+        assert len(spawner.nodes) == 2 and h.manager.node_of(a) is not None
+        assert h.manager.node_of(a).id == spawner.nodes[-1] and first is not None  # type: ignore[union-attr]
+        assert sorted(h.manager._placed) == sorted(["a", r.old_key("a", spawner.procs[0].pid)])
+        await held.release()
+        await settle()
+        assert list(h.manager._placed) == ["a"] and len(spawner.alive()) == 1  # the old one's room is gone
+    finally:
+        await h.close()
+    assert spawner.alive() == []
