@@ -31,7 +31,8 @@ import openvino_genai as ov_genai
 
 from modelserver.engines.base import EmbeddingResult
 from modelserver.engines.batching import DEFAULT_MAX_BATCH, DEFAULT_WAIT_MS, Batcher, BatchOptions, split
-from modelserver.engines.context import check_inputs, token_counts
+from modelserver.engines.context import check_inputs
+from modelserver.engines.counting import TokenCounter, load_counter, near_limit
 from modelserver.engines.media_base import SerialWorker
 from modelserver.engines.ov_options import COUNTING_TOKENIZER, one_line, ov_properties
 from modelserver.engines.st_metadata import declared_options
@@ -100,13 +101,13 @@ def pipeline_config(spec: ModelSpec, declared: dict[str, Any] | None = None) -> 
 class OpenVINOEmbedder:
     """A loaded TextEmbeddingPipeline behind the :class:`~modelserver.engines.base.Embedder` protocol."""
 
-    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, config: Any, load_s: float,
+    def __init__(self, spec: ModelSpec, pipe: Any, counter: TokenCounter, config: Any, load_s: float,
                  batching: BatchOptions | None = None, matryoshka: bool = False) -> None:
         self._spec = spec
         self.matryoshka = matryoshka
         self.normalizes = bool(config.normalize)
         self._pipe = pipe
-        self._tokenizer = tokenizer
+        self._counter = counter
         self._config = config
         self._load_s = load_s
         self._worker = SerialWorker(f"embed-{spec.name}")
@@ -143,7 +144,10 @@ class OpenVINOEmbedder:
         the GIL, and one encode of the whole batch costs about what one of a single text does.
         """
         sizes = [len(texts) for texts, _ in jobs]
-        counts = split(token_counts(self._tokenizer, [text for texts, _ in jobs for text in texts]), sizes)
+        every = [text for texts, _ in jobs for text in texts]
+        flat = self._counter.counts(every)
+        flat = self._counter.confirmed(every, flat, [near_limit(n, self._config.max_length) for n in flat])
+        counts = split(flat, sizes)
         refusals = [self._refusal(job_counts, truncate) for job_counts, (_, truncate) in zip(counts, jobs, strict=True)]
         accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
         flat = [text for texts in accepted for text in texts]
@@ -178,8 +182,8 @@ def load(spec: ModelSpec) -> OpenVINOEmbedder:
     batching = batch_options(spec, spec.options)
     try:
         pipe = ov_genai.TextEmbeddingPipeline(str(path), spec.device, config, **ov_properties(spec))
-        tokenizer = ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER)
+        counter = load_counter(path, lambda: ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
     matryoshka = bool({**declared, **spec.options}.get("matryoshka", False))
-    return OpenVINOEmbedder(spec, pipe, tokenizer, config, time.monotonic() - started, batching, matryoshka)
+    return OpenVINOEmbedder(spec, pipe, counter, config, time.monotonic() - started, batching, matryoshka)

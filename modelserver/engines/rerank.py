@@ -27,11 +27,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import openvino_genai as ov_genai
 
 from modelserver.engines.batching import Batcher, BatchOptions, split
-from modelserver.engines.context import check_inputs, token_counts
+from modelserver.engines.context import check_inputs
+from modelserver.engines.counting import TokenCounter, load_counter, near_limit
 from modelserver.engines.embeddings import BATCHING, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import COUNTING_TOKENIZER, one_line, ov_properties
@@ -58,14 +58,14 @@ ALL_DOCUMENTS = 1 << 30
 
 
 class OpenVINOReranker:
-    def __init__(self, spec: ModelSpec, pipe: Any, tokenizer: Any, load_s: float,
+    def __init__(self, spec: ModelSpec, pipe: Any, counter: TokenCounter, load_s: float,
                  batching: BatchOptions | None = None, max_length: int | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
-        self._tokenizer = tokenizer
+        self._counter = counter
         self._max_length = max_length
         #: the special tokens of a query-document pair ([CLS] q [SEP] d [SEP]): one input's, plus a separator
-        self._pair_tokens = int(np.asarray(tokenizer.encode([""]).attention_mask.data).sum()) + 1
+        self._pair_tokens = counter.counts([""])[0] + 1
         self._load_s = load_s
         self._worker = SerialWorker(f"rerank-{spec.name}")
         self._batching = batching or BatchOptions()
@@ -91,7 +91,10 @@ class OpenVINOReranker:
         the GIL, and one encode of the whole batch costs about what one of a single request does.
         """
         texts = [text for query, documents, _ in jobs for text in (query, *documents)]
-        counts = split(token_counts(self._tokenizer, texts, special=False), [1 + len(docs) for _, docs, _ in jobs])
+        sizes = [1 + len(docs) for _, docs, _ in jobs]
+        flat = self._counter.counts(texts, special=False)
+        near = [self._near(job_counts) for job_counts in split(flat, sizes) for _ in job_counts]
+        counts = split(self._counter.confirmed(texts, flat, near, special=False), sizes)
         return [self._refusal(job_counts, truncate) or self._ranked(query, documents, job_counts)
                 for (query, documents, truncate), job_counts in zip(jobs, counts, strict=True)]
 
@@ -100,6 +103,11 @@ class OpenVINOReranker:
         ranking = [(int(i), float(score)) for i, score in self._pipe.rerank(query, documents)]
         query_tokens, *document_tokens = counts
         return RerankResult(ranking=ranking, prompt_tokens=query_tokens * len(documents) + sum(document_tokens))
+
+    def _near(self, counts: list[int]) -> bool:
+        """Whether a query + document of this job comes near ``max_length`` (its counts are then confirmed)."""
+        query_tokens, *document_tokens = counts
+        return any(near_limit(query_tokens + count + self._pair_tokens, self._max_length) for count in document_tokens)
 
     def _refusal(self, counts: list[int], truncate: bool) -> RequestError | None:
         """The 400 of a job with a query + document above ``max_length`` (unless it asked to ``truncate``)."""
@@ -127,7 +135,7 @@ def load(spec: ModelSpec) -> OpenVINOReranker:
         config.max_length = max_length  # the pipeline's cut, for requests that ask for it (truncate: true)
     try:
         pipe = ov_genai.TextRerankPipeline(str(path), spec.device, config, **ov_properties(spec))
-        tokenizer = ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER)
+        counter = load_counter(path, lambda: ov_genai.Tokenizer(str(path), **COUNTING_TOKENIZER))
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOReranker(spec, pipe, tokenizer, time.monotonic() - started, batching, max_length)
+    return OpenVINOReranker(spec, pipe, counter, time.monotonic() - started, batching, max_length)
