@@ -26,12 +26,16 @@ from modelserver.api.common import LOG_NOTES, runtime
 from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, Unauthorized, error_body, error_response
 from modelserver.memory import meter_for
 from modelserver.runtime import ModelRuntime
+from modelserver.settle import Settle
 from modelserver.spec import ModelSpec
 from modelserver.tasks import routes_for
 
 __all__ = ["BodyLimit", "ExitWhenFailed", "RequestLog", "RequireToken", "build_app"]
 
 log = logging.getLogger("modelserver.access")
+
+#: Paths that never run the model (an answer there is not the model's first).
+QUIET_PATHS = frozenset({"/health", "/v1/models", "/tokenize", "/detokenize", "/v1/messages/count_tokens"})
 
 
 class RequireToken:
@@ -109,18 +113,36 @@ class RequestLog:
 
 
 class ExitWhenFailed:
-    """After each response: a process that failed beyond repair exits now (:meth:`ModelRuntime.exit_if_failed`)."""
+    """After each response: a process that failed beyond repair exits now (:meth:`ModelRuntime.exit_if_failed`);
+    after the model's first answer, what it no longer uses goes back to the OS (:class:`Settle`)."""
 
-    def __init__(self, app: ASGIApp, runtime: ModelRuntime) -> None:
+    def __init__(self, app: ASGIApp, runtime: ModelRuntime, settle: Settle | None = None) -> None:
         self.app = app
         self.runtime = runtime
+        self.settle = settle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.settle is None or self.settle.done or scope["type"] != "http" or scope["path"] in QUIET_PATHS:
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                if scope["type"] == "http":
+                    self.runtime.exit_if_failed()
+            return
+        status = 0
+
+        async def recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, recording)
         finally:
-            if scope["type"] == "http":
-                self.runtime.exit_if_failed()
+            self.runtime.exit_if_failed()
+            if status == 200 and self.runtime.status == "ready":  # the model ran: its first inference is behind it
+                self.settle.after_answer()
 
 
 async def health(request: Request) -> Response:
@@ -188,7 +210,7 @@ def build_app(
         routes=[Route("/health", health), Route("/v1/models", list_models), *routes_for(spec.task)],
         middleware=[
             *([Middleware(RequireToken, token=token)] if token else []),
-            Middleware(ExitWhenFailed, runtime=rt),
+            Middleware(ExitWhenFailed, runtime=rt, settle=Settle(spec.name) if spec.engine != "fake" else None),
             Middleware(RequestLog),
             Middleware(BodyLimit, max_mb=spec.max_request_mb),
         ],

@@ -35,6 +35,8 @@ from modelserver.spec import ModelSpec
 
 __all__ = [
     "GGUF_TOKENIZER_CAP",
+    "AttentionShape",
+    "attention_shape",
     "config_json",
     "context_length",
     "gguf_context_length",
@@ -83,6 +85,38 @@ def context_length(path: Path) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+AttentionShape = tuple[int, int, int]
+"""``(layers, kv_heads, head_dim)`` of a decoder: what one token's KV cache entry is made of."""
+
+
+def attention_shape(path: Path) -> AttentionShape | None:
+    """The KV cache's shape per token that ``path`` (a ``.gguf`` or an IR folder) declares; None when unknown.
+
+    GGUF: ``<arch>.block_count``, ``.attention.head_count_kv`` (else ``head_count``) and
+    ``.attention.key_length`` (else ``embedding_length / head_count``); ``config.json``:
+    ``num_hidden_layers``, ``num_key_value_heads`` (else ``num_attention_heads``) and ``head_dim``
+    (else ``hidden_size / num_attention_heads``).
+    """
+    if _is_gguf(path):
+        meta = gguf_metadata(path)
+        arch = meta.get("general.architecture")
+        values = {key: meta.get(f"{arch}.{name}") for key, name in (
+            ("layers", "block_count"), ("kv_heads", "attention.head_count_kv"), ("heads", "attention.head_count"),
+            ("head_dim", "attention.key_length"), ("hidden", "embedding_length"))}
+    else:
+        data = config_json(path if path.is_dir() else path.parent)
+        values = {key: data.get(name) for key, name in (
+            ("layers", "num_hidden_layers"), ("kv_heads", "num_key_value_heads"), ("heads", "num_attention_heads"),
+            ("head_dim", "head_dim"), ("hidden", "hidden_size"))}
+    number = {key: value for key, value in values.items()
+              if isinstance(value, int) and not isinstance(value, bool) and value > 0}
+    heads = number.get("heads")
+    kv_heads = number.get("kv_heads", heads)
+    head_dim = number.get("head_dim") or (number["hidden"] // heads if heads and "hidden" in number else None)
+    layers = number.get("layers")
+    return (layers, kv_heads, head_dim) if layers and kv_heads and head_dim else None
 
 
 def gguf_context_length(path: Path) -> int | None:

@@ -53,7 +53,8 @@ class TokenCounter:
             return token_counts(self.exact, texts, special)
         return [len(encoding.ids) for encoding in self._fast.encode_batch(list(texts), add_special_tokens=special)]
 
-    def confirmed(self, texts: Sequence[str], counts: list[int], near: Sequence[bool], special: bool = True) -> list[int]:
+    def confirmed(self, texts: Sequence[str], counts: list[int], near: Sequence[bool],
+                  special: bool = True) -> list[int]:
         """``counts`` with those marked ``near`` a limit taken again by the OpenVINO tokenizer (the pipeline's own)."""
         which = [i for i, flag in enumerate(near) if flag]
         if self._fast is None or not which:

@@ -138,16 +138,13 @@ class OpenVINOEmbedder:
         return EmbeddingResult(vectors=[vector for vector, _ in rows], prompt_tokens=sum(count for _, count in rows))
 
     def _embed_all(self, jobs: list[Job]) -> list[list[Row] | BaseException]:
-        """On the worker: every job's token counts in one encode, then one pipeline call for the jobs that fit.
-
-        The counts are taken here rather than per request on the event loop: the tokenizer holds
-        the GIL, and one encode of the whole batch costs about what one of a single text does.
-        """
+        """On the worker: every job's token counts (:mod:`~modelserver.engines.counting`), then one pipeline call
+        for the jobs that fit."""
         sizes = [len(texts) for texts, _ in jobs]
         every = [text for texts, _ in jobs for text in texts]
-        flat = self._counter.counts(every)
-        flat = self._counter.confirmed(every, flat, [near_limit(n, self._config.max_length) for n in flat])
-        counts = split(flat, sizes)
+        found = self._counter.counts(every)
+        found = self._counter.confirmed(every, found, [near_limit(n, self._config.max_length) for n in found])
+        counts = split(found, sizes)
         refusals = [self._refusal(job_counts, truncate) for job_counts, (_, truncate) in zip(counts, jobs, strict=True)]
         accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
         flat = [text for texts in accepted for text in texts]

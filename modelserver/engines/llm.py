@@ -39,7 +39,7 @@ from modelserver.engines.task_options import task_options
 from modelserver.engines.tokens import TokenizerIds
 from modelserver.errors import EngineError, LoadError, RequestError
 from modelserver.modelfiles import context_length
-from modelserver.prefixcache import PrefixTracker, block_size_for, scheduler_defaults
+from modelserver.prefixcache import PrefixTracker, block_size_for, scheduler_for
 from modelserver.spec import ModelSpec
 from modelserver.structured import ov_structured_output
 from modelserver.textstream import IncrementalDetokenizer
@@ -295,7 +295,7 @@ class OpenVINOTextGenerator:
         self._ids = itertools.count(1)
         self.reports_logprobs = True
         self._counter = PromptCounter(self._tokenizer, context)  # a GGUF's tokenizer cuts at 8192 tokens
-        scheduler = scheduler_defaults(spec.task, spec.device, spec.scheduler)
+        self._scheduler = scheduler = scheduler_for(spec, source.original or source.path, context)
         self._prefix = PrefixTracker(block_size_for(spec.device), bool(scheduler.get("enable_prefix_caching")))
         self.context_length = self._counter.context_length
         self.tokens = TokenizerIds(self._tokenizer, self._counter.cap)
@@ -314,7 +314,7 @@ class OpenVINOTextGenerator:
             "chat_template": bool(self._tokenizer.chat_template),
             "tool_parser": self.tool_parser,
             "template_takes_tools": self._template_tools,
-            "scheduler": scheduler_defaults(self._spec.task, self._spec.device, self._spec.scheduler),
+            "scheduler": self._scheduler,
             "ov_config": self._properties,
         }
 
@@ -468,9 +468,9 @@ def _set_penalties(config: Any, sampling: SamplingParams) -> None:
         config.min_new_tokens = sampling.min_tokens
 
 
-def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, Any]) -> Any:
+def _build_pipeline(spec: ModelSpec, source: ModelSource, properties: dict[str, Any], context: int | None) -> Any:
     properties = {**properties, **source.extra_properties()}
-    scheduler = scheduler_config(scheduler_defaults(spec.task, spec.device, spec.scheduler))
+    scheduler = scheduler_config(scheduler_for(spec, source.original or source.path, context))
     if source.tokenizer_path is None:
         return ov_genai.ContinuousBatchingPipeline(str(source.path), scheduler, spec.device, properties)
     tokenizer = ov_genai.Tokenizer(str(source.tokenizer_path), **source.extra_properties())
@@ -485,7 +485,7 @@ def load(spec: ModelSpec) -> OpenVINOTextGenerator:
     context = configured_context(spec.name, context_length(source.original or source.path), option)
     properties = ov_properties(spec)
     try:
-        pipe = _build_pipeline(spec, source, properties)
+        pipe = _build_pipeline(spec, source, properties, context)
     except LoadError:
         raise
     except Exception as exc:
