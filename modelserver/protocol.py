@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -37,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from modelserver.errors import RequestError, UnsupportedParameter
+from modelserver.ids import random_hex
 
 __all__ = [
     "ChatCompletionRequest",
@@ -53,6 +53,7 @@ __all__ = [
     "parse_request",
     "usage",
 ]
+
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -528,7 +529,7 @@ class _Shape:
     chunk_object = ""
 
     def __init__(self, model: str, fingerprint: str | None = None, include_usage: bool = False) -> None:
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{random_hex()}"
         self.created = int(time.time())
         self.model = model
         self.fingerprint = fingerprint

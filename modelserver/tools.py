@@ -26,9 +26,10 @@ import ast
 import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from modelserver.ids import random_hex
 
 __all__ = [
     "PARSERS",
@@ -80,7 +81,7 @@ class ParsedOutput:
 
 
 def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return "call_" + random_hex(24)
 
 
 # -- template detection -----------------------------------------------------------------------

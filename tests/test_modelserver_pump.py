@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 
 from modelserver.engines.llm import Event, LLMStream, Pump, Ticket, _deliverer, continued_prompt
 from modelserver.errors import EngineError, RequestError
+from modelserver.textstream import IncrementalDetokenizer
 
 RUNNING, FINISHED, IGNORED = (
     ov_genai.GenerationStatus.RUNNING,
@@ -117,9 +119,15 @@ def pump(pipeline: ScriptedPipeline) -> Iterator[Pump]:
 def start(pump: Pump, pipeline: ScriptedPipeline, request_id: int, handle: ScriptedHandle) -> LLMStream:
     pipeline.scripts[request_id] = handle
     events: asyncio.Queue[Event] = asyncio.Queue()
-    ticket = Ticket(request_id, Ids(), None, _deliverer(asyncio.get_running_loop(), events))
+    decode = letters
+    ticket = Ticket(request_id, Ids(), None, _deliverer(asyncio.get_running_loop(), events),
+                    detokenizer=IncrementalDetokenizer(decode))
     pump.submit(ticket)
-    return LLMStream(pump, ticket, events, decode=lambda ids: "".join(chr(96 + i) for i in ids))
+    return LLMStream(pump, ticket, events, decode=decode)
+
+
+def letters(ids: Sequence[int]) -> str:
+    return "".join(chr(96 + i) for i in ids)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
@@ -146,6 +154,26 @@ async def test_two_requests_are_stepped_together_and_finish_with_their_reasons(
     assert (b.finish_reason, b.completion_tokens) == ("length", 5)
     assert pipeline.steps == 5  # batched: five steps served both, not 3 + 5
     assert (pump.completed, pump.cancelled, pump.running) == (2, 0, 0)
+
+
+async def test_the_pump_thread_decodes_and_the_stream_only_relays_the_text(
+    pump: Pump, pipeline: ScriptedPipeline
+) -> None:
+    threads: set[str] = set()
+
+    def decode(ids: Sequence[int]) -> str:
+        threads.add(threading.current_thread().name)
+        return letters(ids)
+
+    pipeline.scripts[1] = ScriptedHandle([1, 2, 3, 4])
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    ticket = Ticket(1, Ids(), None, _deliverer(asyncio.get_running_loop(), events),
+                    detokenizer=IncrementalDetokenizer(decode))
+    pump.submit(ticket)
+    stream = LLMStream(pump, ticket, events, decode=decode)
+    pump.start()
+    assert await collect(stream) == "abcd"
+    assert threads == {"ov-pump"}  # a decode releases the GIL: on the event loop it would wait for a step
 
 
 async def test_closing_a_stream_cancels_its_handle(pump: Pump, pipeline: ScriptedPipeline) -> None:

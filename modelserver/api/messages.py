@@ -16,7 +16,6 @@ text block), ``usage`` with ``cache_read_input_tokens``, and the stream's events
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -41,6 +40,7 @@ from modelserver.api.common import (
 from modelserver.api.vlm import plan_generation
 from modelserver.engines.base import PromptCounting, TextGenerator, cached_tokens
 from modelserver.errors import ModelServerError, anthropic_error_body, anthropic_error_response
+from modelserver.ids import random_hex
 from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
 __all__ = ["MessageShape", "routes", "stop_reason"]
@@ -71,7 +71,7 @@ class MessageShape:
     """A ``message`` body, or the events of a streamed one, for one request."""
 
     def __init__(self, model: str) -> None:
-        self.id = "msg_" + uuid.uuid4().hex[:24]
+        self.id = "msg_" + random_hex(24)
         self.model = model
         self.index = 0  # the next content block's
         self.text_open = False

@@ -9,7 +9,6 @@ maximum is a 400 ``context_length_exceeded`` unless the request sends ``truncate
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -29,6 +28,7 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.engines.media_base import Reranker, RerankResult
+from modelserver.ids import random_hex
 
 __all__ = ["RerankRequest", "rerank_body", "routes"]
 
@@ -60,7 +60,7 @@ def rerank_body(body: RerankRequest, result: RerankResult, model: str) -> dict[s
             item["document"] = {"text": body.documents[index]}
         results.append(item)
     counts = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return {"id": f"rerank-{uuid.uuid4().hex}", "object": "list", "model": model, "results": results, "usage": counts}
+    return {"id": f"rerank-{random_hex()}", "object": "list", "model": model, "results": results, "usage": counts}
 
 
 async def rerank(request: Request) -> Response:

@@ -27,7 +27,6 @@ import json
 import logging
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,6 +50,7 @@ from modelserver.api.responses_input import ResponsesRequest, Translation, trans
 from modelserver.api.vlm import plan_generation
 from modelserver.engines.base import PromptCounting, TextGenerator, cached_tokens
 from modelserver.errors import ModelServerError, UnsupportedParameter
+from modelserver.ids import random_hex
 from modelserver.tools import ToolCall, ToolStreamSplitter, drop_cut_call, parse_tool_calls
 
 __all__ = ["Output", "response_usage", "routes"]
@@ -199,7 +199,7 @@ def _custom_input(arguments: str) -> str:
 
 def _response_id(request: Request) -> str:
     given = request.headers.get(ID_HEADER, "")
-    return given if _ID.match(given) else "resp_" + uuid.uuid4().hex
+    return given if _ID.match(given) else "resp_" + random_hex()
 
 
 async def _plan(request: Request) -> tuple[ResponsesRequest, Translation, Any, str | None]:

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +49,8 @@ __all__ = ["OpenVINOTextGenerator", "Pump", "load", "render_chat"]
 
 log = logging.getLogger(__name__)
 
-Event = tuple[list[int], FinishReason | None] | BaseException
+#: What the pump hands a stream after a step: the new token ids, the text they made final, and the finish.
+Event = tuple[list[int], str, FinishReason | None] | BaseException
 #: ``options`` of task llm (and vlm): ``context_length`` lowers the model's own.
 OPTIONS: dict[str, type | tuple[type, ...]] = {"context_length": int}
 _FINISH = {"STOP": "stop", "LENGTH": "length", "TOOL_CALL": "stop"}
@@ -68,6 +69,8 @@ class Ticket:
     finish: FinishReason | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     logprobs: list[float] | None = None  # each generated token's, when the request asked for them
+    #: the ids' text, decoded on the pump thread (see :meth:`Pump._publish`)
+    detokenizer: IncrementalDetokenizer = field(kw_only=True)
 
 
 def pipeline_figures(metrics: Any) -> dict[str, Any]:
@@ -173,17 +176,25 @@ class Pump:
             log.info("request %d cancelled after %d tokens", ticket.request_id, ticket.tokens)
 
     def _publish(self) -> None:
+        """Each stream's new tokens and their text, decoded here rather than on the event loop.
+
+        ``step()`` holds the GIL, and a decode releases it (the tokenizer runs in OpenVINO): on
+        the event loop each decode then waited for the step under way to end, so with N streams
+        the loop got through about one stream's token per step and fell behind. Here the decodes
+        run between steps, and while each runs the loop has the GIL for its SSE writes.
+        """
         for ticket in list(self._active.values()):
             ids = self._read(ticket)
             status = ticket.handle.get_status()
             if status == ov_genai.GenerationStatus.RUNNING:
                 if ids:
-                    ticket.deliver((ids, None))
+                    ticket.deliver((ids, ticket.detokenizer.push(ids), None))
                 continue
             del self._active[ticket.request_id]
             if status == ov_genai.GenerationStatus.FINISHED:
                 self.completed += 1
-                ticket.deliver((ids, ticket.finish or "stop"))
+                text = ticket.detokenizer.push(ids) + ticket.detokenizer.flush()
+                ticket.deliver((ids, text, ticket.finish or "stop"))
             elif status == ov_genai.GenerationStatus.IGNORED:
                 ticket.deliver(EngineError("the request did not fit in the KV cache (raise scheduler.cache_size)"))
             else:
@@ -236,7 +247,6 @@ class LLMStream:
         self._pump = pump
         self._ticket = ticket
         self._events = events
-        self._detokenizer = IncrementalDetokenizer(decode)
         self._decode = decode
         self._ids: list[int] = []
         self._gen = self._deltas()
@@ -250,15 +260,13 @@ class LLMStream:
                 event = await self._events.get()
                 if isinstance(event, BaseException):
                     raise event
-                ids, finish = event
+                ids, text, finish = event
                 self.completion_tokens += len(ids)
                 if self._ticket.logprobs is not None:
                     self._ids.extend(ids)
                 if self._prefix is not None:
                     self._generated.extend(ids)
-                text = self._detokenizer.push(ids)
                 if finish is not None:
-                    text += self._detokenizer.flush()
                     self.finish_reason = finish
                     if self._prefix is not None:  # its blocks stay in the cache for the next turn
                         self._prefix.remember(self._prompt_ids + self._generated)
@@ -337,7 +345,7 @@ class OpenVINOTextGenerator:
         prompt, special = self._render(request)
         input_ids, _, max_new = self._counter.fit(prompt, special, request.sampling, param)
         config = generation_config(replace(request.sampling, max_tokens=max_new), self._defaults, request.constraint)
-        ticket = Ticket(next(self._ids), input_ids, config, _noop)
+        ticket = Ticket(next(self._ids), input_ids, config, _noop, detokenizer=IncrementalDetokenizer(self._decode))
         if request.logprobs:
             ticket.config.logprobs = 1
             ticket.logprobs = []
@@ -351,7 +359,7 @@ class OpenVINOTextGenerator:
         prompt, special = self._render(request)
         return self._counter.total(prompt, special)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def _render(self, request: GenerationRequest) -> tuple[str, bool]:
