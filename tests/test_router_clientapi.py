@@ -1,38 +1,50 @@
 """The clients' model API: ``status`` on ``/v1/models``, ``GET /v1/models/{id}``, and the llama.cpp
-router's ``/models``, ``/models/load``, ``/models/unload`` and ``/models/sse``. A model's statuses over
-time (the event stream, a failed load) through a real router over fake-engine model servers; the
-answers, errors and keys in-process (the real app over fakes: tests/router_fakes.py)."""
+router's ``/models``, ``/models/load``, ``/models/unload`` and ``/models/sse``, in-process (the real app
+over fakes: tests/router_fakes.py): a model's statuses over time (the event stream, a load's progress
+estimated from procman's last load time, a failed load), the answers, errors and keys."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.router_fakes import fake_router
-from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
+from procman import State
+from tests.router_fakes import Exchange, FakeRouter, fake_router
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(30)
 
 
 class Events:
-    """The ``data:`` events of one ``GET /models/sse`` stream, read with a bound."""
+    """The ``data:`` events of one ``GET /models/sse`` stream through the app, read with a bound."""
 
-    def __init__(self, lines: AsyncIterator[str]) -> None:
-        self.lines = lines
+    def __init__(self, router: FakeRouter) -> None:
+        self.exchange, self.hang_up = Exchange(), asyncio.Event()
+        self.task = asyncio.ensure_future(router.request("GET", "/models/sse", disconnect=self.hang_up,
+                                                         into=self.exchange))
+        self._read, self._buffer = 0, b""
 
-    async def next(self, timeout_s: float = 30) -> dict[str, Any]:
+    async def next(self, timeout_s: float = 10) -> dict[str, Any]:
         async with asyncio.timeout(timeout_s):
-            async for line in self.lines:
-                if line.startswith("data: "):
-                    event: dict[str, Any] = json.loads(line[6:])
-                    return event
-        raise AssertionError("the event stream ended")
+            while True:
+                for chunk in self.exchange.chunks[self._read:]:
+                    self._buffer += chunk
+                    self._read += 1
+                while b"\n\n" in self._buffer:
+                    block, self._buffer = self._buffer.split(b"\n\n", 1)
+                    for line in block.decode().splitlines():
+                        if line.startswith("data: "):
+                            event: dict[str, Any] = json.loads(line[6:])
+                            return event
+                assert not self.task.done(), "the event stream ended"
+                await asyncio.sleep(0.005)
 
     async def until(self, model: str, status: str) -> list[str]:
         """Statuses ``model`` went through up to and including ``status`` (repeats, i.e. progress events, once)."""
@@ -43,77 +55,99 @@ class Events:
                 seen.append(event["data"]["status"])
         return seen
 
+    async def close(self) -> None:
+        self.hang_up.set()
+        await asyncio.wait_for(self.task, 10)
 
-async def _status(router: RunningRouter, name: str, path: str = "/models") -> dict[str, Any]:
-    listed = (await router.client.get(path)).json()["data"]
+
+@contextlib.asynccontextmanager
+async def model_events(router: FakeRouter) -> AsyncIterator[Events]:
+    events = Events(router)
+    try:
+        yield events
+    finally:
+        await events.close()
+    assert events.exchange.headers["content-type"].startswith("text/event-stream")
+
+
+async def _status(client: httpx.AsyncClient, name: str, path: str = "/models") -> dict[str, Any]:
+    listed = (await client.get(path)).json()["data"]
     status: dict[str, Any] = next(m for m in listed if m["id"] == name)["status"]
     return status
 
 
+async def _loaded_after(router: FakeRouter, name: str, fake_s: float, spawned: int) -> None:
+    """Its ``spawned``-th process answers the probes after ``fake_s`` of procman's clock (it loads a while)."""
+    async with asyncio.timeout(10):
+        while len(router.harness.spawner.procs) < spawned:
+            await asyncio.sleep(0.005)
+    proc = router.harness.spawner.procs[spawned - 1]
+    assert router.backend(name).state is State.STARTING and not proc.healthy
+    await router.harness.clock.advance(fake_s)
+    proc.healthy = True
+    async with asyncio.timeout(10):
+        while router.backend(name).state is not State.READY:
+            await router.harness.clock.advance(0.5)
+
+
 async def test_status_follows_a_model_through_unloaded_loading_loaded_unloaded(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {"slow": fake_model(fake={"load_s": 0.5, "token_delay_s": 0.001}),
-                                   "other": fake_model()})
-    async with running_router(path) as router, router.client.stream("GET", "/models/sse") as stream:
-        assert stream.headers["content-type"].startswith("text/event-stream")
-        events = Events(stream.aiter_lines())
+    models = {"slow": {"engine": "fake"}, "other": {"engine": "fake"}}
+    async with fake_router(tmp_path, models) as router, router.client() as client, model_events(router) as events:
+        router.harness.spawner.on_spawn = lambda proc: setattr(proc, "healthy", False)  # a start takes a while
         snapshot = [await events.next(), await events.next()]  # where every model stands on connect
         assert {(e["model"], e["event"], e["data"]["status"]) for e in snapshot} == {
             ("slow", "model_status", "unloaded"), ("other", "model_status", "unloaded")}
-        assert (await _status(router, "slow"))["value"] == "unloaded"
+        assert (await _status(client, "slow"))["value"] == "unloaded"
 
-        load = await router.client.post("/models/load", json={"model": "slow"})
+        load = await client.post("/models/load", json={"model": "slow"})
         assert (load.status_code, load.json()) == (200, {"success": True})
+        await _loaded_after(router, "slow", 1.5, spawned=1)
         assert await events.until("slow", "loaded") == ["loading", "loaded"]
-        assert (await _status(router, "slow"))["value"] == "loaded"
-        assert (await _status(router, "slow", "/v1/models"))["value"] == "loaded"
-        assert (await _status(router, "other"))["value"] == "unloaded"
+        assert (await _status(client, "slow"))["value"] == "loaded"
+        assert (await _status(client, "slow", "/v1/models"))["value"] == "loaded"
+        assert (await _status(client, "other"))["value"] == "unloaded"
 
-        unload = await router.client.post("/models/unload", json={"model": "slow"})
+        unload = await client.post("/models/unload", json={"model": "slow"})
         assert (unload.status_code, unload.json()) == (200, {"success": True})
         assert await events.until("slow", "unloaded") == ["unloaded"]
-        assert (await _status(router, "slow"))["value"] == "unloaded"
-        await _wait_stopped(router, "slow")
+        assert (await _status(client, "slow"))["value"] == "unloaded"
+        assert router.backend("slow").state is State.STOPPED  # gone, not only on its way, before the next load
 
         # the second load has a measured first load to estimate its progress from
-        await router.client.post("/models/load", json={"model": "slow"})
+        await client.post("/models/load", json={"model": "slow"})
         loading = await events.next()
         assert loading["data"]["status"] == "loading"
         progress = loading["data"]["progress"]
         assert progress["expected_s"] > 0 and 0 <= progress["value"] < 1 and progress["elapsed_s"] >= 0
+        await _loaded_after(router, "slow", 0.5, spawned=2)
         assert (await events.until("slow", "loaded"))[-1] == "loaded"
 
 
-async def _wait_stopped(router: RunningRouter, name: str) -> None:
-    """The process is gone (STOPPED), not only on its way (STOPPING), before the next load."""
-    async with asyncio.timeout(30):
-        while router.backend(name).state.value != "stopped":
-            await asyncio.sleep(0.02)
-
-
 async def test_a_request_loads_the_model_and_the_stream_says_so(tmp_path: Path) -> None:
-    async with running_router(write_config(tmp_path, {"echo": fake_model()})) as router, \
-            router.client.stream("GET", "/models/sse") as stream:
-        events = Events(stream.aiter_lines())
+    async with fake_router(tmp_path, {"echo": {"engine": "fake"}}) as router, model_events(router) as events:
         assert (await events.next())["data"]["status"] == "unloaded"
-        reply = await router.client.post("/v1/chat/completions",
-                                         json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]})
-        assert reply.status_code == 200
+        reply = await router.post("/v1/chat/completions", {"model": "echo", "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+        assert reply.status == 200
         assert await events.until("echo", "loaded") == ["loading", "loaded"]
 
 
 async def test_a_failed_load_is_status_failed_and_unload_clears_it(tmp_path: Path) -> None:
-    broken = fake_model(fake={"load_s": 0.01, "fail_load": "weights are corrupt"}, backoff_base_s=60)
-    async with running_router(write_config(tmp_path, {"broken": broken})) as router, \
-            router.client.stream("GET", "/models/sse") as stream:
-        events = Events(stream.aiter_lines())
+    async with fake_router(tmp_path, {"broken": {"engine": "fake", "backoff_base_s": 60}}) as router, \
+            router.client() as client, model_events(router) as events:
+        def fails(proc: Any) -> None:
+            proc.say("RuntimeError: weights are corrupt")
+            proc.exit(1)
+
+        router.harness.spawner.on_spawn = fails
         await events.next()
-        load = await router.client.post("/models/load", json={"model": "broken"})
+        load = await client.post("/models/load", json={"model": "broken"})
         assert load.status_code in (200, 503), load.text  # 503 when the failure came within the answer's wait
         assert (await events.until("broken", "failed"))[-1] == "failed"
-        status = await _status(router, "broken")
+        status = await _status(client, "broken")
         assert status["value"] == "failed" and status["failed"] is True and status["exit_code"] not in (None, 0)
         for _ in range(2):  # the first failure retries at once; the second backs off (backoff_base_s)
-            again = await router.client.post("/models/load", json={"model": "broken"})
+            again = await client.post("/models/load", json={"model": "broken"})
             if again.status_code != 200:
                 break
             assert (await events.until("broken", "failed"))[-1] == "failed"
@@ -121,7 +155,7 @@ async def test_a_failed_load_is_status_failed_and_unload_clears_it(tmp_path: Pat
         assert again.json()["error"]["code"] == "model_unavailable"
         message = again.json()["error"]["message"]
         assert "\n" not in message and "backing off" in message and "/api/models/broken/logs" in message
-        unload = await router.client.post("/models/unload", json={"model": "broken"})
+        unload = await client.post("/models/unload", json={"model": "broken"})
         assert unload.json() == {"success": True}
         assert await events.until("broken", "unloaded") == ["unloaded"]
 
