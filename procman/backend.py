@@ -294,9 +294,11 @@ class Backend:
         """
         await self._ask(m.Stop(reason, drain))
 
-    def restart(self, reason: str, *, generation: int | None = None, why: str | None = None) -> asyncio.Future[None]:
+    def restart(self, reason: str, *, generation: int | None = None, why: str | None = None,
+                blamed: bool = False) -> asyncio.Future[None]:
         """Replace the process now (no drain). With ``generation``, only if that process is still the READY one.
         ``why``: what the caller saw, for ``last_error`` (a ``hang`` is otherwise put as failed health probes).
+        ``blamed``: a request in flight caused it (a poison request, a suspect's retry): no failure is counted.
 
         The command is queued when called (a caller that does not await it still gets it in
         before any later request); await the result to wait until the backend settles.
@@ -313,7 +315,7 @@ class Backend:
             return gone
         if why is not None:
             self._kill_why = (generation, why)
-        reply = self._post(m.Restart(reason, generation), want_reply=True)
+        reply = self._post(m.Restart(reason, generation, blamed), want_reply=True)
         assert reply is not None
         reply.add_done_callback(_retrieve)
         return reply

@@ -290,3 +290,4 @@ async def test_a_lone_request_to_a_process_wedged_before_it_came_is_retried_not_
         asking = r.post("/v1/chat/completions", chat("echo", "innocent"))
         reply = await asyncio.wait_for(r.harness.clock.run(asking, step=0.1), BOUND_S)  # the probes find it
         assert reply.status == 200 and reply.json()["pid"] != proc.pid, reply.body  # it never reached the app
+

@@ -273,24 +273,30 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     """The process behind ``lease`` failed this request; decide between going again and answering."""
     backend = job.model.backend  # the lease names its process: a replaced one draining is killed as hung too
     in_flight = backend.in_flight_of(lease.generation)
-    if cause in ("fatal", "stall", "hang"):
-        why = None if cause == "fatal" else detail  # what it saw, for last_error
+    local = cause in ("fatal", "stall", "hang")  # the router saw it: it kills the process (a restart)
+    if local:
         stopped = cause == "hang" and backend.stopped(lease.generation)  # SIGSTOP: silenced from outside, as
         # kill -9 is; its requests are not to blame (asked before the restart below kills it)
-        restart = backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why)
         death = Death(cause, -signal.SIGSTOP if stopped else None, in_flight)  # type: ignore[arg-type]
     else:
-        restart = None
         await asyncio.wait({lease.exited}, timeout=DEATH_GRACE_S)
         if not lease.exited.done():
             return await _fail(job, BadGateway(await _alive_words(job, lease)))
         death = _death_of(backend, lease, in_flight)
     job.deaths.append(lease.generation)
-    if restart is not None:  # queued now: the next attempt lands on the fresh process; never awaited
-        _background(restart)  # inside a lease (a drain would wait for the lease, the answer for the drain)
     unheard = _unheard(job)  # its process never began on it (no heartbeat): innocent, and no suspect
     choice = "again" if unheard else verdict(death, second=job.tries > 0, streaming=job.head_sent)
     shared = suspect(death) and not unheard
+    # A second death (a suspect's, maybe a neighbour's doing) or the poison's: not the model's failing, so
+    # no failure toward the backoff — said with the restart itself, so the count never reaches max_retries
+    # before the forgiving comes (procman gives up relaunching the moment it does).
+    not_the_models = choice == "blame" or bool(job.tries and not external(death))
+    if local:  # queued now: the next attempt lands on the fresh process; never awaited inside a lease
+        why = None if cause == "fatal" else detail  # what it saw, for last_error
+        _background(backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why,
+                                    blamed=not_the_models))  # (a drain would wait for the lease, the answer for it)
+    if not_the_models:
+        backend.forgive(job.deaths)
     if choice == "again" and job.tries < job.budget(shared) and _prepare_again(job):
         job.tries += 1
         job.suspect = shared
@@ -299,8 +305,6 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
                     "resuming the stream" if job.head_sent else "retrying once",
                     ", one suspect at a time" if job.suspect else "")
         return None
-    if choice == "blame" or (job.tries and not external(death)):  # a second death: a suspect's (maybe a
-        backend.forgive(job.deaths)  # neighbour's) doing, not the model's: no failure toward the backoff
     if choice == "blame":
         log.warning("%s: the request is the likely cause of its process's death (%s: %s); not sent again",
                     job.name, death.cause, detail)
