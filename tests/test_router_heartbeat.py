@@ -13,6 +13,7 @@ import pytest
 
 from router.edge.heartbeat import Watch
 from router.edge.httpclient import UpstreamError, UpstreamHung
+from router.path import recovery
 from tests.router_fakes import Call, FakeReply, FakeRouter, chat, echo, fake_router
 from tests.test_router_httpclient import Server, backend, get
 
@@ -291,3 +292,38 @@ async def test_a_lone_request_to_a_process_wedged_before_it_came_is_retried_not_
         reply = await asyncio.wait_for(r.harness.clock.run(asking, step=0.1), BOUND_S)  # the probes find it
         assert reply.status == 200 and reply.json()["pid"] != proc.pid, reply.body  # it never reached the app
 
+
+
+async def test_a_hang_poison_retried_in_its_turn_is_named_though_a_new_request_ran_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery, "ORDINARY_WAIT_S", 0.0)  # new requests go beside the suspects at once
+    async with fake_router(tmp_path, {"echo": QUICK}) as r:
+        wedged: set[int] = set()
+        sent: list[str] = []
+
+        async def server(call: Call) -> FakeReply:  # a [[hang]] blocks its process: every request there goes silent
+            assert call.proc is not None
+            sent.append(call.text)
+            call.beat()
+            if "[[hang]]" in call.text:
+                wedged.add(call.proc.pid)
+            for _ in range(10):
+                if call.proc.pid in wedged:
+                    await silent_until_killed(call)
+                await asyncio.sleep(0.02)
+                call.beat()
+            return await echo(call)
+
+        r.upstream.handler = server
+        first = [asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", t))) for t in ("one", "two")]
+        await asyncio.wait_for(_until(lambda: len(sent) == 2), BOUND_S)
+        poison = asyncio.ensure_future(r.post("/v1/chat/completions", chat("echo", "poison [[hang]]")))
+        await asyncio.wait_for(_until(lambda: sent.count("poison [[hang]]") == 2), BOUND_S)  # its turn came
+        beside = await asyncio.wait_for(r.post("/v1/chat/completions", chat("echo", "beside")), BOUND_S)
+        assert beside.status == 200, beside.body
+        for reply, text in zip(await asyncio.gather(*first), ("one", "two"), strict=True):
+            assert reply.status == 200 and reply.json()["choices"][0]["message"]["content"] == text, reply.body
+        named = await asyncio.wait_for(poison, BOUND_S)
+        assert named.status == 502 and named.json()["error"]["code"] == "request_crashed_model", named.body
+        assert sent.count("poison [[hang]]") == 2  # named on the death in its turn: no third process hung

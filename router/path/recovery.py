@@ -48,10 +48,11 @@ neither holding a lease, and every wait ends.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,7 @@ from router.path.relay import DEATH_GRACE_S, RESPONSE_DROP, Relayed, cut_reason,
 from router.path.request import ProxyRequest
 from router.path.resume import OPENAI_RESUMER, Plan, Resumer, Streamed, StreamLog, fatal_event, finished, plan
 from router.path.resume_anthropic import ANTHROPIC_RESUMER
+from router.state.lane import Turn
 from router.state.registry import Model
 
 __all__ = ["DEATH_GRACE_S", "RequestCrashedModel", "forward"]
@@ -109,7 +111,7 @@ class Job:
     tries: int = 0  # retries and resumes taken
     interrupted: int = 0  # starts it waited for that an unload interrupted
     suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
-    leave_lane: Callable[[], None] | None = None  # gives the suspect lane back early (a resumed stream flows)
+    leave_lane: Turn | None = None  # its turn in the suspect lane: gives it back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
     body: bytes = b""
     watch: Watch | None = None  # the current attempt's heartbeat watch (router/edge/heartbeat.py)
@@ -285,6 +287,8 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         death = _death_of(backend, lease, in_flight)
     job.deaths.append(lease.generation)
     unheard = _unheard(job)  # its process never began on it (no heartbeat): innocent, and no suspect
+    if _in_its_turn(job) and not external(death):  # a suspect's retry died before its answer began, while it
+        death = dataclasses.replace(death, in_flight=1)  # held the lane: whoever ran beside it came after
     choice = "again" if unheard else verdict(death, second=job.tries > 0, streaming=job.head_sent)
     shared = suspect(death) and not unheard
     # A second death (a suspect's, maybe a neighbour's doing) or the poison's: not the model's failing, so
@@ -330,6 +334,18 @@ async def _lane(job: Job) -> AsyncIterator[None]:
             yield
         finally:
             job.leave_lane = None
+
+
+def _in_its_turn(job: Job) -> bool:
+    """Whether the request is a suspect's retry that still holds the lane and had produced nothing (its
+    heartbeats showed no progress): the one request the process took on since the last death, silent from
+    its start — what ran beside it is a stream whose answer flowed, or an ordinary request that waited
+    ``ORDINARY_WAIT_S`` for it — so a death now is its doing, as if it were alone. A holder whose generation
+    advanced is not judged so (a poison beside a long answer may have done it)."""
+    watch = job.watch
+    turn = job.leave_lane
+    return (job.suspect and turn is not None and turn.held and not job.head_sent and job.model.heard
+            and watch is not None and not watch.progress)
 
 
 def _unheard(job: Job) -> bool:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-__all__ = ["SuspectLane"]
+__all__ = ["SuspectLane", "Turn"]
 
 
 class SuspectLane:
-    """``async with lane.suspect(hold_s) as leave:`` one suspect at a time (``leave()`` gives the lane back
-    early); ``await lane.ordinary(bound_s)``: wait (at most ``bound_s``) until no suspect waits or runs."""
+    """``async with lane.suspect(hold_s) as turn:`` one suspect at a time (``turn()`` gives the lane back
+    early, ``turn.held`` says whether it still has it); ``await lane.ordinary(bound_s)``: wait (at most
+    ``bound_s``) until no suspect waits or runs."""
 
     __slots__ = ("_clear", "_lock", "_pending")
 
@@ -43,27 +44,35 @@ class SuspectLane:
                     await self._clear.wait()
 
     @asynccontextmanager
-    async def suspect(self, hold_s: float) -> AsyncIterator[Callable[[], None]]:
+    async def suspect(self, hold_s: float) -> AsyncIterator[Turn]:
         self._pending += 1
         self._clear.clear()
-        held = False
-
-        def leave() -> None:
-            nonlocal held
-            if held:
-                held = False
-                self._lock.release()
-
+        turn = Turn(self._lock)
         timer: asyncio.TimerHandle | None = None
         try:
             await self._lock.acquire()
-            held = True
-            timer = asyncio.get_running_loop().call_later(hold_s, leave)
-            yield leave
+            turn.held = True
+            timer = asyncio.get_running_loop().call_later(hold_s, turn)
+            yield turn
         finally:
             if timer is not None:
                 timer.cancel()
-            leave()
+            turn()
             self._pending -= 1
             if not self._pending:
                 self._clear.set()
+
+
+class Turn:
+    """A suspect's turn in the lane: ``held`` while it has the lane; calling it gives the lane back (once)."""
+
+    __slots__ = ("_lock", "held")
+
+    def __init__(self, lock: asyncio.Lock) -> None:
+        self._lock = lock
+        self.held = False
+
+    def __call__(self) -> None:
+        if self.held:
+            self.held = False
+            self._lock.release()
