@@ -23,7 +23,11 @@ resumed stream's first event) — a poison request would have taken the process 
 :func:`_lane_hold_s` at most (the time a hang needs to be found); a new request waits ``ORDINARY_WAIT_S``
 at most (a poison that crashes shows at once; beside a hung one, a new request dies as a suspect and is
 retried in turn).
-Requests already running are never waited for.
+Requests already running are never waited for. So a retry is not quite alone: resumed streams flow
+beside it, and new requests come after ``ORDINARY_WAIT_S``. A suspect that dies in its turn having
+produced nothing (:func:`_in_its_turn`) is named as if alone; one whose death was shared again goes
+again (``SHARED_TRIES``); and a request its process never began (:func:`_unheard`: no heartbeat) is
+innocent of that death and no suspect at all.
 
 **Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56; the soak's logs were not
 kept, so this is read from the code). Its gate chained three waits. (1) A suspect waited for *every*
