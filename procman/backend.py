@@ -475,8 +475,8 @@ class Backend:
         if before is not None:
             event = before(self, event)
         self._apply(event, reply, decision)
-        answer = m.answered(event)
         if reply is not None and not reply.done():
+            answer = m.answered(event)
             if answer == "settled":
                 self._settling.append(reply)
             elif answer == "turn":
@@ -681,6 +681,8 @@ class Backend:
 
     def _note_death(self, event: m.Event) -> None:
         """Remember how the READY process ended (what a request it failed is told: ``death(generation)``)."""
+        if type(event) not in deaths.REPORTS:
+            return  # (the request path's events: not even a call)
         code = self._running.exit_code if self._running is not None else None
         death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code,
                                 stopped=lambda: self.stopped(self.generation))
@@ -718,8 +720,10 @@ class Backend:
         return Lease(running.address, running.pid, self.generation, running.exited) if running is not None else None
 
     def _admit(self, effect: m.Admit, event: m.Event, reply: asyncio.Future[Any] | None) -> None:
+        if reply is None:
+            return  # the shortcut's caller builds its own lease
         lease = self._lease()
-        if reply is not None and lease is not None:
+        if lease is not None:
             reply.set_result(lease)
 
     def _park(self, effect: m.Park, event: m.Event, reply: asyncio.Future[Any] | None) -> None:

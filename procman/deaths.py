@@ -31,6 +31,7 @@ from procman.states import State
 
 __all__ = [
     "EXTERNAL_SIGNALS",
+    "REPORTS",
     "Cause",
     "Death",
     "exit_cause",
@@ -49,6 +50,8 @@ Cause = Literal["crash", "fatal", "hang", "stall"]
 
 #: Signals a process does not raise by failing itself: someone (a user, the OOM killer) killed it.
 EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+#: The events that may report a death (:func:`recorded`).
+REPORTS: frozenset[type] = frozenset({Exited, Hung, Restart})
 #: The restart reasons that are a death of the READY process (a manual restart is none).
 _FAILURES: dict[str, Cause] = {"crash": "crash", "hang": "hang", "fatal": "fatal"}
 
