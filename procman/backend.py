@@ -671,12 +671,13 @@ class Backend:
         return event
 
     def _landed(self, event: m.Started) -> m.Event:
-        if isinstance(event.payload, process.Running):
+        """What the start left: its process (``ok``, or ``aborted`` with one to terminate), or its error."""
+        if event.outcome in ("failed", "refused"):
+            error: BackendUnavailable = event.payload
+            self._start_error, self.started_at = error, None
+            self.exit_code = error.exit_code if isinstance(error, StartFailed) else None
+        elif event.payload is not None:
             self._running = event.payload
-        elif isinstance(event.payload, BackendUnavailable):
-            self._start_error = event.payload
-            self.started_at = None
-            self.exit_code = event.payload.exit_code if isinstance(event.payload, StartFailed) else None
         return event
 
     def _note_death(self, event: m.Event) -> None:
