@@ -1,7 +1,8 @@
 """The request path's shortcut (``Backend._shortcut``) holds by construction: a differential test.
 
 Random, seeded sequences of what happens to a backend — requests that come and go, ensure_ready,
-stops, restarts (manual and fatal), keep-alive, forgiveness, reloads and retunes, the process
+stops, restarts (manual and fatal), keep-alive, forgiveness, reloads, retunes and replacements
+(rolling or stop-first), the process
 exiting, its health failing and coming back, time passing — are played against two backends under
 the fake spawner, prober and clock, one with the shortcut and one without. After every step both
 must show the same state, counters, processes (spawned, alive, signalled), answers to every caller,
@@ -29,6 +30,7 @@ STEPS = 50
 OPS = (  # (name, weight)
     ("want", 24), ("done", 20), ("ensure", 4), ("tick", 22), ("exit", 4), ("sick", 3), ("well", 4),
     ("stop", 3), ("restart", 2), ("fatal", 2), ("keep", 3), ("forgive", 2), ("update", 2), ("retune", 2),
+    ("roll", 2),
 )
 NAMES = [name for name, _ in OPS]
 WEIGHTS = [weight for _, weight in OPS]
@@ -159,6 +161,8 @@ def play(one: Side, op: str, arg: float) -> None:
         b.forgive([b.generation])
     elif op == "update":
         one.calls.append(loop.create_task(b.update(spec(version=int(arg * 3)))))
+    elif op == "roll":  # a rolling replacement: the new process beside the old one, then the switch
+        one.calls.append(loop.create_task(b.replace(spec(version=int(arg * 3)), rolling=arg < 0.7)))
     elif op == "retune":
         one.calls.append(loop.create_task(b.update(spec(version=int(b.spec.env["V"]), idle_timeout_s=arg * 60))))
 
