@@ -327,3 +327,25 @@ async def test_a_hang_poison_retried_in_its_turn_is_named_though_a_new_request_r
         named = await asyncio.wait_for(poison, BOUND_S)
         assert named.status == 502 and named.json()["error"]["code"] == "request_crashed_model", named.body
         assert sent.count("poison [[hang]]") == 2  # named on the death in its turn: no third process hung
+
+
+async def test_a_request_two_wedged_processes_never_began_takes_no_try_and_is_served(tmp_path: Path) -> None:
+    async with fake_router(tmp_path, {"echo": QUICK}) as r:
+        to_wedge, wedged = [2], set[int]()
+
+        async def server(call: Call) -> FakeReply:
+            assert call.proc is not None
+            if call.text != "warm" and to_wedge[0] and call.proc.pid not in wedged:
+                to_wedge[0] -= 1  # this process is wedged before the request comes
+                wedged.add(call.proc.pid)
+                call.proc.healthy = False
+            if call.proc.pid in wedged:
+                await silent_until_killed(call)
+            call.beat()
+            return await echo(call)
+
+        r.upstream.handler = server
+        assert (await r.post("/v1/chat/completions", chat("echo", "warm"))).status == 200
+        asking = r.post("/v1/chat/completions", chat("echo", "innocent"))
+        reply = await asyncio.wait_for(r.harness.clock.run(asking, step=0.1), BOUND_S)
+        assert reply.status == 200 and reply.json()["pid"] not in wedged and len(wedged) == 2, reply.body

@@ -27,7 +27,7 @@ Requests already running are never waited for. So a retry is not quite alone: re
 beside it, and new requests come after ``ORDINARY_WAIT_S``. A suspect that dies in its turn having
 produced nothing (:func:`_in_its_turn`) is named as if alone; one whose death was shared again goes
 again (``SHARED_TRIES``); and a request its process never began (:func:`_unheard`: no heartbeat) is
-innocent of that death and no suspect at all.
+innocent of that death and no suspect at all: it is sent again without taking a try (``MAX_UNHEARD``).
 
 **Why the first attempt at this deadlocked** (2e0de90, reverted in 340df56; the soak's logs were not
 kept, so this is read from the code). Its gate chained three waits. (1) A suspect waited for *every*
@@ -90,6 +90,8 @@ ORDINARY_WAIT_S = 5.0
 #: Tries beyond a request's budget for deaths it shared with others (in the chaos mix a clean request can be
 #: caught beside a second poison, or beside its own suspect's retry): each runs in the suspect lane.
 SHARED_TRIES = 2
+#: How many times a request is sent again after deaths of processes that never began on it (no heartbeat).
+MAX_UNHEARD = 3
 #: How many interrupted starts (an unload during a cold start) a request waits past before it gets the 503.
 MAX_INTERRUPTED = 2
 #: How a stream of each kind (router.path.resume.plan) is read back, continued and spliced.
@@ -114,6 +116,7 @@ class Job:
     plan: Plan | None
     tries: int = 0  # retries and resumes taken
     interrupted: int = 0  # starts it waited for that an unload interrupted
+    unheard: int = 0  # deaths of processes that never began on it (no heartbeat): sent again, no try taken
     suspect: bool = False  # its last death was shared: its next try runs in the suspect lane
     leave_lane: Turn | None = None  # its turn in the suspect lane: gives it back early (a resumed stream flows)
     deaths: list[int] = field(default_factory=list)  # generations of the processes that died under it
@@ -298,13 +301,19 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
     # A second death (a suspect's, maybe a neighbour's doing) or the poison's: not the model's failing, so
     # no failure toward the backoff — said with the restart itself, so the count never reaches max_retries
     # before the forgiving comes (procman gives up relaunching the moment it does).
-    not_the_models = choice == "blame" or bool(job.tries and not external(death))
+    not_the_models = not unheard and (choice == "blame" or bool(job.tries and not external(death)))
     if local:  # queued now: the next attempt lands on the fresh process; never awaited inside a lease
         why = None if cause == "fatal" else detail  # what it saw, for last_error
         _background(backend.restart("fatal" if cause == "fatal" else "hang", generation=lease.generation, why=why,
                                     blamed=not_the_models))  # (a drain would wait for the lease, the answer for it)
     if not_the_models:
         backend.forgive(job.deaths)
+    if unheard and job.unheard < MAX_UNHEARD and _prepare_again(job):
+        job.unheard += 1  # never begun: sending it again is as safe as the first time, and takes no try
+        job.suspect = False
+        log.warning("%s: the process died before it began on a request (%s: %s); sending it to a fresh process",
+                    job.name, death.cause, detail)
+        return None
     if choice == "again" and job.tries < job.budget(shared) and _prepare_again(job):
         job.tries += 1
         job.suspect = shared
