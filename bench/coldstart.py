@@ -40,6 +40,8 @@ __all__ = ["run"]
 log = logging.getLogger(__name__)
 
 TARGET_RATIO = 1.10
+#: The demo model again, without the stateful pipeline's first answers (engines/llm_first.py).
+CB_ONLY = "smollm2-cb"
 TARGET_S = 2.5
 
 #: The slices of a cold start, in order, from the request's send time to its first token.
@@ -54,21 +56,21 @@ SLICES = (
 )
 
 
-def _cold_ttft(router: Router) -> tuple[float, dict[str, float]]:
+def _cold_ttft(router: Router, model: str = MODEL) -> tuple[float, dict[str, float]]:
     """(seconds from sending the request to the first content delta, the slices of it), model stopped before."""
     import uvloop
 
     async def once() -> tuple[float, float]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             sent = time.time()
-            stats = await stream_chat(session, router.url + "/v1/chat/completions", _payload(MODEL, 4))
+            stats = await stream_chat(session, router.url + "/v1/chat/completions", _payload(model, 4))
         if stats.status != 200:
             raise RuntimeError(f"cold request answered {stats.status}")
         return sent, stats.ttft_s
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         sent, ttft = runner.run(once())
-    marks = router.get(f"/upstream/{MODEL}/health").get("startup") or {}
+    marks = router.get(f"/upstream/{model}/health").get("startup") or {}
     return ttft, slices(sent, sent + ttft, marks)
 
 
@@ -160,16 +162,21 @@ def run(ctx: Context) -> Section:
     section = Section("coldstart", "Cold start: request to first token for a stopped model")
     tmp = ctx.section_tmp("coldstart")
     state = ctx.model_state
-    config = router_config(state, {MODEL: real_model()})
+    config = router_config(state, {MODEL: real_model(), CB_ONLY: real_model(options={"first_answer": False})})
     config["router"]["spare_interpreters"] = 1
     router = start_router(ctx.procs, tmp, config, name="coldstart-router")
     warm_started = time.perf_counter()
     router.load(MODEL)  # converts to IR (tokenizer included): the first start ever is not a cold start
     first_load_s = time.perf_counter() - warm_started
     router.unload(MODEL)
+    for name in (MODEL, CB_ONLY):  # the stateful pipeline's compiled blob into cache_dir; CB_ONLY's conversion
+        router.load(name)
+        router.unload(name)
     cold: list[float] = []
     cold_slices: list[dict[str, float]] = []
     fresh: list[float] = []
+    cb_only: list[float] = []
+    before: list[float] = []
     bare: list[dict[str, float]] = []
     loads: list[float] = []
     spare_rss: list[float] = []
@@ -180,22 +187,32 @@ def run(ctx: Context) -> Section:
         ttft, parts = _cold_ttft(router)
         cold.append(ttft)
         cold_slices.append(parts)
-        _set_spares(router, 0)
         router.unload(MODEL)
+        _spares_settled(router, 1)
+        cb_only.append(_cold_ttft(router, CB_ONLY)[0])
+        router.unload(CB_ONLY)
+        _set_spares(router, 0)
         _spares_settled(router, 0)
         fresh.append(_cold_ttft(router)[0])
         router.unload(MODEL)
+        before.append(_cold_ttft(router, CB_ONLY)[0])  # neither a spare nor the stateful pipeline: as before
+        router.unload(CB_ONLY)
         _set_spares(router, 1)
         _spares_settled(router, 1)
         bare.append(_bare(ctx, state))
-        log.info("cold %.3f s (spare), %.3f s (fresh process), bare load+first token %.3f s", cold[-1], fresh[-1],
+        log.info("cold %.3f s (spare), %.3f s (spare, continuous batching only), %.3f s (fresh process), "
+                 "%.3f s (neither), bare load+first token %.3f s", cold[-1], cb_only[-1], fresh[-1], before[-1],
                  bare[-1]["load_s"] + bare[-1]["first_token_s"])
     base = [b["load_s"] + b["first_token_s"] for b in bare]
     rows: list[list[object]] = [
         ["ovrouter: request -> first token (model stopped, a spare interpreter waiting)", median(cold), min(cold),
          max(cold), ratio(median(cold), median(base))],
+        ["ovrouter: the same, continuous batching only (options: {first_answer: false})", median(cb_only),
+         min(cb_only), max(cb_only), ratio(median(cb_only), median(base))],
         ["ovrouter: the same without a spare (spare_interpreters: 0)", median(fresh), min(fresh), max(fresh),
          ratio(median(fresh), median(base))],
+        ["ovrouter: neither (no spare, continuous batching only: before issue 24)", median(before), min(before),
+         max(before), ratio(median(before), median(base))],
         ["bare: pipeline load + first token (in-process)", median(base), min(base), max(base), 1.0],
         ["bare: of which pipeline load", median([b["load_s"] for b in bare]), None, None, None],
         ["bare: of which first token", median([b["first_token_s"] for b in bare]), None, None, None],
@@ -217,8 +234,9 @@ def run(ctx: Context) -> Section:
                          f"{median(spare_rss) if spare_rss else 0:.0f} MiB (VmRSS once past its imports).")
     source = "the converted IR folder" if bare and bare[0]["source_ir"] else "the GGUF (no converted IR was found)"
     section.intro = (
-        f"{len(cold)} alternating repetitions. Router config: `save_ov_model: true`, `cache_dir` set (not used by "
-        f"the LLM on CPU); the bare baseline loads {source} with its own tokenizer in a fresh process. The first "
+        f"{len(cold)} alternating repetitions. Router config: `save_ov_model: true`, `cache_dir` set (the LLM's "
+        f"stateful pipeline imports its blob from it; the continuous-batching one on CPU cannot); the bare "
+        f"baseline loads {source} with its own tokenizer in a fresh process. The first "
         f"load of the section (GGUF -> IR conversion unless an earlier section did it; not counted) took "
         f"{first_load_s:.1f} s."
     )
@@ -226,6 +244,7 @@ def run(ctx: Context) -> Section:
             "bare: fresh process": bare_parts}
     section.plots.append(plots.stacked(ctx.plot_path("coldstart"), "Cold start, where the time goes (median)",
                                        "seconds", bars))
-    section.data = {"cold_s": cold, "fresh_s": fresh, "cold_slices": cold_slices, "bare": bare,
+    section.data = {"cold_s": cold, "cb_only_s": cb_only, "fresh_s": fresh, "before_s": before,
+                    "cold_slices": cold_slices, "bare": bare,
                     "first_load_s": first_load_s, "load_average": loads, "spare_rss_mib": spare_rss}
     return section

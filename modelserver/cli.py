@@ -186,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("serving %s (task %s, engine %s) on %s", spec.name, spec.task, spec.engine, args.uds or args.port)
     server.run()
     code = EXIT_LOAD_FAILED if runtime.load_failed else 0
-    if loader.thread.is_alive():  # stopped while loading: OpenVINO is mid-compile, skip interpreter teardown
+    # stopped while loading, or while the llm engine builds its second pipeline (engines/llm_first.py):
+    # OpenVINO is mid-compile, skip interpreter teardown
+    if loader.thread.is_alive() or getattr(runtime.loaded(), "building", False) is True:
         log.info("stopped %s while it was loading", spec.name)
         logging.shutdown()
         os._exit(code)

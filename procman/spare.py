@@ -159,10 +159,6 @@ class SparePool:
         self._measured: int | None = None  # the last spare's resident memory
         self._pending = spec
 
-    @property
-    def groups(self) -> object:
-        return self.inner.groups
-
     # -- the Spawner protocol ---------------------------------------------------------------------
 
     async def spawn(
@@ -180,7 +176,13 @@ class SparePool:
                 self.fresh += 1
                 return await self.inner.spawn(argv, env, cwd, on_line)
             spare.handle.redirect(on_line)
-            spare.handle.feed(json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode() + b"\n")
+            try:
+                spare.handle.feed(json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd}).encode() + b"\n")
+            except (OSError, RuntimeError) as exc:  # it died this moment: a fresh process after all
+                log.warning("%s could not take its assignment (%s); starting a fresh process", spare.name, exc)
+                self._kill(spare)
+                self.fresh += 1
+                return await self.inner.spawn(argv, env, cwd, on_line)
             self.taken += 1
             log.info("%s becomes %s", spare.name, " ".join(argv[len(spec.serves):]) or argv[0])
             self._changed()

@@ -25,6 +25,7 @@ from typing import Any
 
 import openvino_genai as ov_genai
 
+from modelserver.engines import llm_first
 from modelserver.engines.base import FinishReason, GenerationRequest, SamplingParams
 from modelserver.engines.context import PromptCounter, configured_context
 from modelserver.engines.ov_options import (
@@ -51,8 +52,9 @@ log = logging.getLogger(__name__)
 
 #: What the pump hands a stream after a step: the new token ids, the text they made final, and the finish.
 Event = tuple[list[int], str, FinishReason | None] | BaseException
-#: ``options`` of task llm (and vlm): ``context_length`` lowers the model's own.
-OPTIONS: dict[str, type | tuple[type, ...]] = {"context_length": int}
+#: ``options`` of task llm (and vlm): ``context_length`` lowers the model's own; ``first_answer`` (llm on CPU,
+#: default true): first answers from the cached stateful pipeline while this one compiles (:mod:`.llm_first`).
+OPTIONS: dict[str, type | tuple[type, ...]] = {"context_length": int, "first_answer": bool}
 _FINISH = {"STOP": "stop", "LENGTH": "length", "TOOL_CALL": "stop"}
 
 
@@ -290,7 +292,8 @@ class OpenVINOTextGenerator:
     """A loaded ContinuousBatchingPipeline behind the :class:`~modelserver.engines.base.TextGenerator` protocol."""
 
     def __init__(self, spec: ModelSpec, pipe: Any, source: ModelSource, properties: dict[str, Any], load_s: float,
-                 context: int | None = None):
+                 context: int | None = None, pump: Callable[[Any], Any] | None = None,
+                 label: str = "openvino ContinuousBatchingPipeline"):
         self._spec = spec
         self._properties = properties
         self._pipe = pipe
@@ -307,12 +310,13 @@ class OpenVINOTextGenerator:
         self._prefix = PrefixTracker(block_size_for(spec.device), bool(scheduler.get("enable_prefix_caching")))
         self.context_length = self._counter.context_length
         self.tokens = TokenizerIds(self._tokenizer, self._counter.cap)
-        self._pump = Pump(pipe)
+        self._pump = (pump or Pump)(pipe)  # llm_first: the stateful pipeline's one-at-a-time pump
         self._pump.start()
+        self.label = label
 
     def describe(self) -> dict[str, Any]:
         return {
-            "engine": "openvino ContinuousBatchingPipeline",
+            "engine": self.label,
             "device": self._spec.device,
             "source": f"{self._source.path} ({self._source.kind})",
             "load_s": round(self._load_s, 2),
@@ -492,6 +496,9 @@ def load(spec: ModelSpec) -> OpenVINOTextGenerator:
     source = prepare_source(spec)
     context = configured_context(spec.name, context_length(source.original or source.path), option)
     properties = ov_properties(spec)
+    if llm_first.wanted(spec, source, task_options(spec, OPTIONS).get("first_answer")):
+        return llm_first.load(spec, source, properties, context, started,  # type: ignore[return-value]
+                              OpenVINOTextGenerator, _build_pipeline)
     try:
         pipe = _build_pipeline(spec, source, properties, context)
     except LoadError:

@@ -1,0 +1,85 @@
+"""The llm engine's first answers from the cached stateful pipeline, then the switch to continuous batching
+(modelserver/engines/llm_first.py), on a real OpenVINO pipeline (the tiny Qwen2 IR in models/): requests
+before, during and after the switch are all answered with the same max_tokens/finish semantics, one asking
+for logprobs waits for the continuous-batching pipeline, and the stateful pipeline is let go after it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelserver.engines import llm, llm_first
+from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams
+from modelserver.spec import build_model_spec
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
+
+QWEN = Path(__file__).resolve().parent.parent / "models" / "qwen2-tools-tiny-ov"
+
+
+def ask(text: str, max_tokens: int, **fields: Any) -> GenerationRequest:
+    return GenerationRequest(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                             messages=(ChatTurn("user", text),), **fields)
+
+
+async def answer(engine: Any, request: GenerationRequest) -> tuple[str, Any]:
+    stream = engine.generate(request)
+    text = "".join([delta async for delta in stream])
+    return text, stream
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(llm_first, "BUILD_AFTER_S", 120.0)  # the build begins after the first answer, not before
+    spec = build_model_spec("qwen", {"task": "llm", "path": str(QWEN), "cache_dir": str(tmp_path / "cache")},
+                            base_dir=tmp_path)
+    loaded = llm.load(spec)
+    yield loaded
+    loaded._builder.join(120)  # a process must not exit mid-compile (the model server os._exit()s instead)
+    loaded.close()
+
+
+async def test_first_answers_come_from_the_stateful_pipeline_then_it_switches_and_lets_go(engine: Any) -> None:
+    assert isinstance(engine, llm_first.Bridge) and engine.stats()["pipeline"] == "stateful"
+    assert "LLMPipeline" in engine.describe()["engine"]
+    first_pump = engine._first._pump
+    text, stream = await answer(engine, ask("Count to ten.", 5))
+    assert stream.completion_tokens == 5 and stream.finish_reason == "length" and text
+    # the build starts now; requests keep coming while it runs and across the switch
+    results: list[tuple[str, Any]] = []
+    logprobs = asyncio.ensure_future(answer(engine, ask("Name a colour.", 4, logprobs=True)))
+    for round_ in range(200):
+        batch = await asyncio.gather(*(answer(engine, ask(f"Say {i}.", 3 + i % 3)) for i in range(3)))
+        results += batch
+        if engine.stats()["pipeline"] == "continuous_batching" and round_ >= 1:
+            break
+    assert engine.stats()["pipeline"] == "continuous_batching", "the continuous-batching pipeline never came"
+    for i, (_, done) in enumerate(results):
+        assert done.completion_tokens == 3 + i % 3 and done.finish_reason == "length"
+    text, stream = await logprobs  # held for the continuous-batching pipeline: it reports each token's
+    assert stream.completion_tokens == 4 and len(stream.token_logprobs()) == 4
+    after = await asyncio.gather(*(answer(engine, ask("Count.", 6)) for _ in range(4)))
+    assert all(done.completion_tokens == 6 and done.finish_reason == "length" for _, done in after)
+    assert "ContinuousBatchingPipeline" in engine.describe()["engine"]
+    # the stateful pipeline is let go: its pump ended and dropped it, the bridge holds neither generator
+    assert engine._first is None and engine._deferred is None
+    assert not first_pump.alive and first_pump._pipe is None
+
+
+async def test_a_request_that_ends_at_eos_says_stop_as_the_other_pipeline_would(engine: Any) -> None:
+    request = GenerationRequest(SamplingParams(max_tokens=200, temperature=0.0), messages=(ChatTurn("user", "Hi"),))
+    _, stream = await answer(engine, request)
+    assert stream.finish_reason in ("stop", "length")
+    assert (stream.finish_reason == "length") == (stream.completion_tokens == 200)
+
+
+async def test_a_cancelled_stream_frees_the_stateful_pump_for_the_next(engine: Any) -> None:
+    stream = engine.generate(ask("Write a long story.", 500))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    _, done = await answer(engine, ask("Say yes.", 3))
+    assert done.completion_tokens == 3 and engine._current()._pump.cancelled + engine.stats()["cancelled"] >= 1
