@@ -51,7 +51,8 @@ class TokenCounter:
     def counts(self, texts: Sequence[str], special: bool = True) -> list[int]:
         if self._fast is None:
             return token_counts(self.exact, texts, special)
-        return [len(encoding.ids) for encoding in self._fast.encode_batch(list(texts), add_special_tokens=special)]
+        # one text at a time on this thread: encode_batch's thread pool spins on a machine with few cores
+        return [len(self._fast.encode(text, add_special_tokens=special).ids) for text in texts]
 
     def confirmed(self, texts: Sequence[str], counts: list[int], near: Sequence[bool],
                   special: bool = True) -> list[int]:
