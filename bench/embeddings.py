@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 MODEL_DIR = ROOT / "models" / "minilm-ov"
 BATCHES = (1, 16, 64)
 CLIENTS = (1, 4, 16, 64)
-TARGET_16_CLIENTS = 0.9
+#: Issue 24's targets: 1 client x 1 text against batches of 1, and 16 clients against batches of 16.
+TARGET_CLIENTS = {1: 0.8, 16: 0.8}
 OPTIONS = {"pooling": "mean", "normalize": True}
 TOPICS = ("cats", "the weather", "stock markets", "football", "cooking", "trains", "music", "the sea")
 
@@ -269,11 +270,13 @@ def run(quick: bool = False) -> dict[str, Any]:
             notes.append(f"router column skipped: {exc}".splitlines()[0])
     result = table(bare, server, router)
     concurrent = clients_table(samples, health)
-    value = rate_ratio(samples["server"][16], samples["bare"][16])
-    by_cpu = cpu_ratio(samples["server"][16], samples["bare"][16])
-    notes.append(f"Target 16 clients x 1 text >= {TARGET_16_CLIENTS}x the bare pipeline fed batches of 16: "
-                 f"{'met' if value >= TARGET_16_CLIENTS else 'MISSED'} ({value:.2f}x by emb/s, {by_cpu:.2f}x by CPU "
-                 "per embedding, the load generator's CPU included).")
+    for clients, target in TARGET_CLIENTS.items():
+        value = rate_ratio(samples["server"][clients], samples["bare"][clients])
+        by_cpu = cpu_ratio(samples["server"][clients], samples["bare"][clients])
+        met = "met" if min(value, by_cpu) >= target else "MISSED"
+        notes.append(f"Target {clients} client(s) x 1 text >= {target}x the bare pipeline fed batches of {clients}, by "
+                     f"emb/s and by CPU: {met} ({value:.2f}x by emb/s, {by_cpu:.2f}x by CPU per embedding, the load "
+                     "generator's CPU included).")
     notes.append(f"load average at the section's end: {os.getloadavg()[0]:.2f}")
     if quick:
         notes.append("quick mode: one short window per figure; the numbers mean little")
