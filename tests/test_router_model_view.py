@@ -80,7 +80,10 @@ async def test_one_health_poll_per_model_the_probers_while_memwatch_console_and_
             async with r.client() as client:
                 for index in range(rounds):
                     await r.harness.clock.advance(2.0)  # one health_interval_s of procman's clock
+                    now = r.harness.clock.now
                     await until(lambda i=index: server.paths["/health"] >= 2 + i, "the watch's probe")
+                    await until(lambda now=now: (h := r.backend("m").last_health) is not None and h.at >= now,
+                                "its answer kept")  # the probe ended: the watch waits for the next interval
                     for _ in range(3):  # scrapes and dashboards between two probes
                         metrics = (await client.get("/metrics")).text
                         rows = (await client.get("/api/models")).json()["models"]
