@@ -320,19 +320,19 @@ async def watch(rt: Runtime[Any], current: Callable[[], BackendSpec], running: R
 
     ``current()`` gives the settings of each round, so a retune applies to the next probe.
     ``health_interval_s`` 0: no probe while READY (for servers that a probe disturbs), only the exit.
-    A process whose readiness ended without a 200 probe (it announced it) is probed at once, so its
-    ``health`` (what the router shows and measures) is the ready process's from the start.
+    A process whose readiness ended without a 200 probe (it announced it) is probed once at once, so its
+    ``health`` (what the router shows and measures) is the ready process's from the start; with
+    ``health_interval_s`` 0 that one probe is only for its figures (a failed one counts for nothing).
     """
     failed = 0
     first = running.health is None or not running.health.ok
     while True:
         spec = current()
-        if spec.health_interval_s <= 0:
+        if spec.health_interval_s <= 0 and not first:
             await asyncio.wait({running.exited})  # never cancels it; a retune restarts this watch
             return "crash"
         if not first and await rt.wait_done(running.exited, spec.health_interval_s):
             return "crash"
-        first = False
         probe = asyncio.ensure_future(_probe(rt, spec, running.address, spec.health_timeout_s))
         try:
             await _first((probe, running.exited))
@@ -340,7 +340,12 @@ async def watch(rt: Runtime[Any], current: Callable[[], BackendSpec], running: R
             probe.cancel()
         if running.exited.done():
             return "crash"
-        failed = 0 if _probe_ok(spec, probe, running) else failed + 1
+        ok = _probe_ok(spec, probe, running)
+        if first and spec.health_interval_s <= 0:
+            first = False
+            continue
+        first = False
+        failed = 0 if ok else failed + 1
         if failed:
             log.warning("%s health probe failed (%d of %d)", spec.name, failed, spec.health_failures)
         if failed >= spec.health_failures:

@@ -147,6 +147,26 @@ async def test_announced_readiness_ends_the_start_without_a_successful_probe(h: 
     assert len(h.spawner.last.env[READY_ENV]) >= 16
 
 
+async def test_an_announced_process_is_probed_once_at_ready_for_its_last_health(h: Harness) -> None:
+    def ready_with_figures(proc: FakeProcess) -> None:
+        proc.health_body = {"status": "ready", "memory": {"counted_bytes": 7}}
+        proc.healthy = Path(proc.argv[-1]).name.startswith("a")  # b's process (its socket b-N.sock) answers none
+        proc.say(READY_PREFIX + proc.env[READY_ENV])
+
+    h.spawner.on_spawn = ready_with_figures
+    quiet = {"announces_ready": True, "health_interval_s": 0}  # no probes while READY...
+    a, b = h.add("a", **quiet), h.add("b", **quiet)
+    await asyncio.wait_for(asyncio.gather(a.ensure_ready(), b.ensure_ready()), 5.0)
+    await settle()
+    health = a.last_health  # ...but one at READY, for what the process reports
+    assert health is not None and health.ok and health.body == {"status": "ready", "memory": {"counted_bytes": 7}}
+    assert health.at == h.clock.now and b.last_health is None
+    probes = len(h.prober.calls)
+    await h.clock.advance(100.0)
+    assert len(h.prober.calls) == probes  # and none after it
+    assert a.state is State.READY and b.state is State.READY  # that probe checks nothing: b is not hung
+
+
 async def test_a_readiness_line_with_another_token_is_ignored(h: Harness) -> None:
     h.spawner.on_spawn = unhealthy
     backend = h.add(announces_ready=True)
