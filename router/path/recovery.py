@@ -99,13 +99,19 @@ RESUMERS: dict[str, Resumer] = {"chat": OPENAI_RESUMER, "completion": OPENAI_RES
                                "messages": ANTHROPIC_RESUMER}
 
 
+#: The requests each process (by its lease's ``exited`` future) has in flight (:func:`_attempt`); one that died
+#: there stays listed ``PEERS_LINGER_S`` for its peers' count (:func:`_begun_at_death`).
+_ON: dict[asyncio.Future[Any], set[Job]] = {}
+PEERS_LINGER_S = 30.0
+
+
 class RequestCrashedModel(BadGateway):
     """This request is the likely cause of its process's death (a poison request)."""
 
     code = "request_crashed_model"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Job:
     """A client request and what happened to it so far."""
 
@@ -180,6 +186,46 @@ def _cut_short(job: Job, exc: BackendUnavailable) -> bool:
 
 async def _attempt(job: Job, lease: Lease) -> int | None:
     """One exchange with one process: the status relayed, or None to go again on a fresh process."""
+    key = lease.exited  # the process itself (a generation number is only unique within one backend's life)
+    _ON.setdefault(key, set()).add(job)
+    died = False
+    try:
+        result = await _exchange(job, lease)
+        died = result is None
+        return result
+    except BaseException:
+        died = True
+        raise
+    finally:
+        if died:  # its peers may hear of the death a moment later: it still counts among the begun for them
+            asyncio.get_running_loop().call_later(PEERS_LINGER_S, _off, key, job)
+        else:
+            _off(key, job)
+
+
+def _off(key: asyncio.Future[Any], job: Job) -> None:
+    peers = _ON.get(key)
+    if peers is not None:
+        peers.discard(job)
+        if not peers:
+            del _ON[key]
+
+
+def _begun_at_death(job: Job, lease: Lease, in_flight: int) -> int:
+    """How many of the requests in flight in the process of ``lease`` when it died it had begun on (a
+    heartbeat came, or the answer): the rest never reached the app, so they cannot have caused it. Those that
+    died there count for ``PEERS_LINGER_S`` after (the backend's count drops as each leaves). ``in_flight`` as
+    it is where the model's processes send no heartbeats."""
+    if not job.model.heard:
+        return in_flight
+    return max(1, sum(1 for peer in _ON.get(lease.exited, ()) if _begun(peer)))
+
+
+def _begun(job: Job) -> bool:
+    return job.head_sent or (job.watch is not None and job.watch.last_beat is not None)
+
+
+async def _exchange(job: Job, lease: Lease) -> int | None:
     spec = job.model.spec
     try:
         job.watch = _watch(job)
@@ -281,7 +327,7 @@ async def _relay_chunk(job: Job, chunk: bytes) -> None:
 async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int | None:
     """The process behind ``lease`` failed this request; decide between going again and answering."""
     backend = job.model.backend  # the lease names its process: a replaced one draining is killed as hung too
-    in_flight = backend.in_flight_of(lease.generation)
+    in_flight = _begun_at_death(job, lease, backend.in_flight_of(lease.generation))
     local = cause in ("fatal", "stall", "hang")  # the router saw it: it kills the process (a restart)
     if local:
         stopped = cause == "hang" and backend.stopped(lease.generation)  # SIGSTOP: silenced from outside, as
@@ -292,6 +338,8 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
         if not lease.exited.done():
             return await _fail(job, BadGateway(await _alive_words(job, lease)))
         death = _death_of(backend, lease, in_flight)
+        if job.model.heard:  # the requests it had begun on: the rest are no suspects
+            death = dataclasses.replace(death, in_flight=in_flight)
     job.deaths.append(lease.generation)
     unheard = _unheard(job)  # its process never began on it (no heartbeat): innocent, and no suspect
     if _in_its_turn(job) and not external(death):  # a suspect's retry died before its answer began, while it
