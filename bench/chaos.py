@@ -20,6 +20,9 @@ clean failure one). It exits 1 on any hung request, any cut stream without an er
 any garbled answer, any failure of ``calm``, or an orphan process. Marker requests are the
 poison: their own outcome is counted apart and never fails the run.
 
+Each clean failure is listed with the time it was sent; ``--keep-logs DIR`` keeps the router's log
+(procman's and the recovery path's lines) there, to find what happened to it.
+
 Traffic goes to 127.0.0.1 only; every loop is bounded in count and time.
 """
 
