@@ -9,8 +9,9 @@ process would have been started with) to the spare's stdin and hands its handle,
 redirected, to the backend. Everything else about the process is as a fresh spawn's: its
 own process group, ``PR_SET_PDEATHSIG``, the group watchdog, the output pipe (a readiness
 line arrives on it as from a fresh start). A new spare is started behind a taken one once
-that start has announced itself ready (``READY_PREFIX``) or after :data:`REFILL_AFTER_S`,
-so its imports do not compete with the start it served.
+that start has announced itself ready (``READY_PREFIX``) and :data:`REFILL_DELAY_S` more have
+passed (or after :data:`REFILL_AFTER_S`), so its imports do not compete with the start it
+served, nor with that start's first answer.
 
 A spare is used only when it would run exactly what a fresh process would:
 
@@ -57,6 +58,9 @@ SPARE_READY = "ovrouter-spare-ready"
 READY_PREFIX = "ovrouter-ready "
 #: The longest a new spare waits for the start before it (a start that never announces itself).
 REFILL_AFTER_S = 30.0
+#: After that start's readiness line, how long a new spare still waits: its imports (~1 s of CPU) would
+#: otherwise compete with the start's first answer (a 2-core box: 0.7 -> 1.6-2.2 s to the first token).
+REFILL_DELAY_S = 2.0
 #: After a spare died on its own, the wait before the next one.
 RETRY_S = 5.0
 #: Spares that died in a row before their ready line, after which the pool stops starting them.
@@ -225,7 +229,7 @@ class SparePool:
 
         def line(text: str) -> None:
             if not done and text.startswith(READY_PREFIX):
-                started()
+                asyncio.get_running_loop().call_later(REFILL_DELAY_S, started)
             on_line(text)
 
         asyncio.get_running_loop().call_later(REFILL_AFTER_S, started)

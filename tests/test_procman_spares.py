@@ -51,6 +51,7 @@ def ready_pids(pool: SparePool) -> list[int]:
 @pytest.fixture(autouse=True)
 def quick_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(procman.spare, "RETRY_S", 0.05)
+    monkeypatch.setattr(procman.spare, "REFILL_DELAY_S", 0.05)
 
 
 @pytest.fixture
