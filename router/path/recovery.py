@@ -383,10 +383,12 @@ async def _died(job: Job, lease: Lease, cause: str | None, detail: str) -> int |
 
 @asynccontextmanager
 async def _lane(job: Job) -> AsyncIterator[None]:
-    """A suspect's turn in the model's suspect lane; an ordinary request first waits for the suspects."""
+    """A suspect's turn in the model's suspect lane; an ordinary request first waits for the suspects: a new
+    one ``ORDINARY_WAIT_S`` at most, one that a death sent again as long as a suspect may hold the lane (it
+    would likely die beside a poison's retry otherwise, as it just did)."""
     lane = job.model.suspects
     if not job.suspect:
-        await lane.ordinary(ORDINARY_WAIT_S)
+        await lane.ordinary(_lane_hold_s(job) if job.tries or job.unheard else ORDINARY_WAIT_S)
         yield
         return
     async with lane.suspect(_lane_hold_s(job)) as leave:
