@@ -42,7 +42,7 @@ import os
 import signal
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from procman.placement import Holder
 from procman.spawner import LineCallback, ProcessHandle, SubprocessHandle, SubprocessSpawner
@@ -253,11 +253,16 @@ class SparePool:
         self._wake.set()
 
     def configure(self, spec: SpareSpec | None) -> None:
-        """Use ``spec`` from now on; a different one retires every spare (``None`` or count 0: none)."""
+        """Use ``spec`` from now on: one that runs something else retires every spare (``None``: none); one that
+        differs only in ``count`` keeps them (the pool grows or shrinks to it)."""
         if self._refill is None:
             self._pending = spec
             return
         if spec == self.spec:
+            return
+        if spec is not None and self.spec is not None and replace(spec, count=0) == replace(self.spec, count=0):
+            self.spec = spec
+            self._wake.set()
             return
         if self.spares:
             log.info("spare interpreters: the settings changed; retiring %d", len(self.spares))
@@ -283,7 +288,7 @@ class SparePool:
             wanted, starting = self.wanted()
             live = [s for s in self.spares if not s.going]
             for spare in live[wanted:] if not starting else ():  # nothing left that would take them
-                log.info("%s: no model is stopped now; retiring it", spare.name)
+                log.info("%s is not wanted now (the count, or no model is stopped); retiring it", spare.name)
                 self._kill(spare)
             if (spec is not None and len(live) < wanted and not self._starting and self.deaths < GIVE_UP_AFTER
                     and (self.fits is None or self.fits(spec.device, self._measured or spec.size_bytes))):

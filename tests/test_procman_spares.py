@@ -137,6 +137,7 @@ async def test_a_config_change_retires_the_spares_and_count_0_keeps_none(pool: t
     await eventually(lambda: len(ready_pids(spares)) == 1, 60.0, "a spare")
     old = ready_pids(spares)[0]
     spares.configure(spare_spec())  # the same settings: kept
+    spares.configure(spare_spec(count=2))  # only the count: kept (one model stopped wants one spare)
     assert ready_pids(spares) == [old]
     spares.configure(spare_spec(env={"OVROUTER_EXAMPLE": "1"}))
     await eventually(lambda: gone(old) and len(ready_pids(spares)) == 1, 60.0, "a spare of the new settings")
@@ -175,17 +176,41 @@ async def test_the_memory_budget_counts_a_spare_and_stops_it_first(pool: tuple[P
     assert spares.snapshot()["spares"] == []
 
 
+def router_spares(port: int, count: int, timeout_s: float = 60.0) -> list[int]:
+    """The router's spare pids once exactly ``count`` are listed, all past their imports."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = (httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=5).json()["spares"] or {}).get("spares", [])
+        if len(listed) == count and all(spare["ready"] for spare in listed):
+            return [spare["pid"] for spare in listed]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router did not settle at {count} spare(s): {listed}")
+        time.sleep(0.05)
+
+
+def test_a_reload_to_0_retires_the_spare_and_back_to_1_starts_one(tmp_path: Path) -> None:
+    port = free_port()
+    config = write_config(tmp_path, {"a": fake_model()}, router={"spare_interpreters": 1})
+    with router_process(config, port):
+        [first] = router_spares(port, 1)
+        for count in (0, 1):
+            write_config(tmp_path, {"a": fake_model()}, router={"spare_interpreters": count})
+            assert httpx.post(f"http://127.0.0.1:{port}/api/reload", timeout=30).status_code == 200
+            if count == 0:
+                router_spares(port, 0)
+                deadline = time.monotonic() + 30
+                while not gone(first) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert gone(first), "the retired spare is still running"
+        [second] = router_spares(port, 1)
+        assert second != first
+
+
 def test_no_spare_outlives_a_sigkilled_router(tmp_path: Path) -> None:
     port = free_port()
     config = write_config(tmp_path, {"a": fake_model()}, router={"spare_interpreters": 1})
     with router_process(config, port) as proc:
-        deadline = time.monotonic() + 60
-        spares: list[int] = []
-        while not spares and time.monotonic() < deadline:
-            status = httpx.get(f"http://127.0.0.1:{port}/api/status", timeout=5).json()
-            spares = [spare["pid"] for spare in (status["spares"] or {}).get("spares", []) if spare["ready"]]
-            time.sleep(0.05)
-        assert spares, "no spare interpreter started"
+        spares = router_spares(port, 1)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(5)
         deadline = time.monotonic() + 30
