@@ -133,11 +133,16 @@ def test_a_fatal_error_event_is_recognised() -> None:
 SEAM_TEXT = "naïve über 日本語 😀 alpha beta gamma delta"  # several UTF-8 bytes per character in the first words
 
 
-async def stitched_at_every_cut(body: dict[str, Any]) -> tuple[bytes, set[str]]:
+def completion_text(raw: bytes) -> str:
+    return "".join(e["choices"][0].get("text") or "" for e in events(raw) if isinstance(e, dict) and e.get("choices"))
+
+
+async def stitched_at_every_cut(body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[bytes, set[str]]:
     """Cut the unbroken stream of ``body`` at every byte, resume each cut on a fresh fake, and return the
     unbroken stream and the distinct stitched texts (one, when every seam is exact)."""
-    whole = await post(body)
-    plan_ = plan("/v1/chat/completions", json.dumps(body).encode(), 512)
+    text_of = chat_text if path == "/v1/chat/completions" else completion_text
+    whole = await post(body, path)
+    plan_ = plan(path, json.dumps(body).encode(), 512)
     assert plan_ is not None
     stitched: dict[int, str] = {}
     for cut in range(len(whole)):  # before the first token, mid-word, mid-character, at the last token
@@ -149,10 +154,10 @@ async def stitched_at_every_cut(body: dict[str, Any]) -> tuple[bytes, set[str]]:
         seen = progress(log)
         rest = continuation(plan_, seen)
         if rest is None or seen.done or seen.finish is not None:
-            stitched[len(sent)] = chat_text(sent + log.rest())
+            stitched[len(sent)] = text_of(sent + log.rest())
             continue
         splice = Splice(seen)
-        stitched[len(sent)] = chat_text(sent + splice.feed(await post(rest)) + splice.rest())
+        stitched[len(sent)] = text_of(sent + splice.feed(await post(rest, path)) + splice.rest())
     return whole, set(stitched.values())
 
 
@@ -177,3 +182,31 @@ async def test_the_seam_is_exact_right_after_a_stop_string_begins() -> None:
     body = {**chat_body(stop=["beta gamma"]), "messages": [{"role": "user", "content": SEAM_TEXT}]}
     whole, texts = await stitched_at_every_cut(body)
     assert texts == {chat_text(whole)} == {"naïve über 日本語 😀 alpha "}
+
+
+async def test_the_seam_is_exact_mid_word_where_a_stop_string_begins_inside_a_word() -> None:
+    # "ta gamma" begins inside "beta": the server sends " be" and holds "ta" back; a cut there resumes mid-word
+    body = {**chat_body(stop=["ta gamma"]), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)
+    assert texts == {chat_text(whole)} == {"naïve über 日本語 😀 alpha be"}
+    body = {**chat_body(stop=["本語 😀 alpha zeta"]), "messages": [{"role": "user", "content": SEAM_TEXT}]}
+    whole, texts = await stitched_at_every_cut(body)  # held from inside a CJK word: cut between its characters
+    assert texts == {chat_text(whole)} == {SEAM_TEXT}
+
+
+COMPLETION = {"model": "fake", "stream": True, "prompt": SEAM_TEXT + "\n"}
+
+
+async def test_the_seam_is_exact_at_every_cut_point_of_a_completion_stream() -> None:
+    whole, texts = await stitched_at_every_cut({**COMPLETION, "stream_options": {"include_usage": True}},
+                                               "/v1/completions")
+    assert texts == {completion_text(whole)} == {SEAM_TEXT}
+    whole, texts = await stitched_at_every_cut({**COMPLETION, "max_tokens": 5}, "/v1/completions")
+    assert texts == {completion_text(whole)} == {"naïve über 日本語 😀 alpha"}  # up to the last token
+
+
+async def test_the_seam_of_a_completion_is_exact_where_a_stop_string_begins() -> None:
+    for stop, expected in ((["alpha beta zeta"], SEAM_TEXT), (["beta gamma"], "naïve über 日本語 😀 alpha "),
+                           (["ta gamma"], "naïve über 日本語 😀 alpha be")):
+        whole, texts = await stitched_at_every_cut({**COMPLETION, "stop": stop}, "/v1/completions")
+        assert texts == {completion_text(whole)} == {expected}, stop

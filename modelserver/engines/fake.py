@@ -28,6 +28,9 @@ continues it: the echo's text that the message already holds is skipped (charact
 character: a message that ends mid-word, as text held back by a stop string leaves it, is
 continued mid-word), so a stream resumed after its backend died ends with exactly the text
 an unbroken one would have. A final message that is not the start of the echo is a 400.
+A completion is continued the same way: a prompt whose last line is the start of the echo of the
+lines before it (what a resumed stream sends for a prompt that ends with a newline: the prompt,
+then the text so far) continues that echo.
 
 Tools and structured output (what router and client tests build on):
 
@@ -226,6 +229,16 @@ def _continue(words: list[str], request: GenerationRequest) -> list[str] | None:
     return _pieces(echo[len(done):])
 
 
+def _continue_prompt(prompt: str) -> list[str] | None:
+    """The rest of the echo of a completion prompt's lines before its last, when that last line is the start of
+    the echo (the prompt plus the text so far of a resumed stream); None: not a continuation (echo it all)."""
+    head, newline, done = prompt.rpartition("\n")
+    echo = " ".join(head.split())
+    if not newline or not done or not echo.startswith(done):
+        return None
+    return _pieces(echo[len(done):])
+
+
 def example_of(schema: Any, root: Any = None) -> Any:
     """A small value valid for ``schema`` (first enum value, minimum, every listed property...)."""
     root = schema if root is None else root
@@ -359,7 +372,8 @@ class FakeTextGenerator:
         param = "messages" if request.messages is not None else "prompt"
         max_tokens = fit_context(prompt_words, request.sampling, self.context_length, param)
         answer = structured_answer(request, self.tool_parser)
-        rest = _continue(text.split(), request) if answer is None else None
+        rest = (_continue(text.split(), request) if request.messages is not None else _continue_prompt(text)) \
+            if answer is None else None
         words = _pieces(answer) if answer is not None else rest if rest is not None else text.split()
         return FakeStream(
             words, prompt_words, max_tokens, self._spec.fake.token_delay_s, self._counters,
