@@ -45,8 +45,14 @@ soak: setup  ## SOAK_MINUTES (default 30) of chaos load; fails on RSS/open-file/
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
 STRESS_S ?= 300
-stress: setup  ## the resumption stress for $(STRESS_S) s (make test runs 12 s of it): every stitched stream exact
-	OVROUTER_STRESS_S=$(STRESS_S) $(PY) -m pytest tests/test_router_resume_stress.py -q -s -p no:cacheprovider
+STRESS_SEED ?= 1
+STRESS_RUNS ?= 1
+STRESS_STREAMS ?= 12
+stress: setup  ## STRESS_RUNS runs (seeds from STRESS_SEED) of STRESS_S s of the resumption stress (make test runs 12 s): every stitched stream exact
+	for seed in $$(seq $(STRESS_SEED) $$(( $(STRESS_SEED) + $(STRESS_RUNS) - 1 ))); do \
+	  OVROUTER_STRESS_S=$(STRESS_S) OVROUTER_STRESS_SEED=$$seed OVROUTER_STRESS_STREAMS=$(STRESS_STREAMS) \
+	    $(PY) -m pytest tests/test_router_resume_stress.py -q -s -p no:cacheprovider || exit 1; \
+	done
 
 bench: setup bench-deps  ## run the benchmarks and write bench/results/latest.md
 	$(PY) -m bench $(BENCH_ARGS)

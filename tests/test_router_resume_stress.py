@@ -16,8 +16,10 @@ pytestmark = pytest.mark.timeout(600)
 async def test_resumed_streams_are_exact_under_hangs_and_rolling_changes(tmp_path: Path) -> None:
     seconds = float(os.environ.get("OVROUTER_STRESS_S", "12"))
     seed = int(os.environ.get("OVROUTER_STRESS_SEED", "1"))
-    figures = await run_stress(tmp_path, seconds, seed)
-    print(f"stress: {figures.rounds} rounds, {figures.streams} streams, {figures.exact} exact, "
-          f"{figures.errors} ended by an error event {figures.codes}; scenarios {figures.scenarios}")
+    streams = int(os.environ.get("OVROUTER_STRESS_STREAMS", "12"))
+    figures = await run_stress(tmp_path, seconds, seed, streams)
+    print(f"stress: seed {seed}, {figures.rounds} rounds, {figures.streams} streams ({figures.resumed} resumes, "
+          f"{figures.retried} retries), {figures.exact} exact, {figures.errors} ended by an error event "
+          f"{figures.codes}; scenarios {figures.scenarios}")
     assert not figures.problems, "\n".join(figures.problems[:5])
     assert figures.rounds >= 1 and figures.exact > 0
