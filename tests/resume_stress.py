@@ -133,7 +133,8 @@ def body_of(rng: random.Random, stream: bool = True) -> dict[str, Any]:
     return body
 
 
-async def read(client: httpx.AsyncClient, body: dict[str, Any], expected: str) -> Outcome:
+async def read(client: httpx.AsyncClient, body: dict[str, Any], expected: str, delay_s: float = 0.0) -> Outcome:
+    await asyncio.sleep(delay_s)
     out = Outcome(expected, chat="messages" in body)
     try:
         return await _read(client, body, out)
@@ -222,8 +223,9 @@ class Stress:
         plans = [(rng.choice(ACTIONS), rng.choice(WHENS)) for _ in range(1 if rng.random() < 0.6 else 2)]
         scenario = f"{hang} + " + " & ".join(f"{action} {when}" for action, when in plans)
         self.figures.scenarios[scenario] = self.figures.scenarios.get(scenario, 0) + 1
-        readers = []
-        for b, e in zip(bodies, expected, strict=True):
+        late = len(bodies) - len(bodies) // 3  # the last third starts after the stop: on the stopped process
+        readers = []  # (retried before their first token) or, once the replacement serves, on the new one
+        for b, e in zip(bodies[:late], expected[:late], strict=True):
             readers.append(asyncio.create_task(read(client, b, e)))
             await asyncio.sleep(rng.uniform(0, 0.05))  # staggered starts: cut points spread over the answers
         stopped: int | None = None
@@ -241,6 +243,8 @@ class Stress:
                 if when != "before":
                     delay = rng.uniform(0, found_s / 2) if when == "during" else rng.uniform(found_s / 2, found_s * 1.5)
                     actions.append(asyncio.create_task(self.act(action, delay)))
+            for b, e in zip(bodies[late:], expected[late:], strict=True):
+                readers.append(asyncio.create_task(read(client, b, e, rng.uniform(0, found_s * 1.5))))
             done, pending = await asyncio.wait(readers, timeout=STREAM_BOUND_S)
             await asyncio.wait(actions, timeout=STREAM_BOUND_S)
         finally:
