@@ -48,7 +48,7 @@ STRESS_S ?= 300
 STRESS_SEED ?= 1
 STRESS_RUNS ?= 1
 STRESS_STREAMS ?= 12
-stress: setup  ## STRESS_RUNS runs (seeds from STRESS_SEED) of STRESS_S s of the resumption stress (make test runs 12 s): every stitched stream exact
+stress: setup  ## STRESS_RUNS runs (seeds from STRESS_SEED) of STRESS_S s of the resumption stress (make test runs one round): every stitched stream exact
 	for seed in $$(seq $(STRESS_SEED) $$(( $(STRESS_SEED) + $(STRESS_RUNS) - 1 ))); do \
 	  OVROUTER_STRESS_S=$(STRESS_S) OVROUTER_STRESS_SEED=$$seed OVROUTER_STRESS_STREAMS=$(STRESS_STREAMS) \
 	    $(PY) -m pytest tests/test_router_resume_stress.py -q -s -p no:cacheprovider || exit 1; \
