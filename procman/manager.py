@@ -440,6 +440,8 @@ class ProcessManager:
                     self.spares.nudge()  # a cold start may come: keep a spare for it
             elif state is State.READY and backend.name not in self._holding and not backend.spec.remote:
                 self._holding.add(backend.name)
+                if self.spares is not None:
+                    self.spares.nudge()  # maybe no model is stopped any more: its spare goes
         if self._placed:  # the room of a replacement's process that is gone (seen holding it before)
             seats = {seat.key for seat, _ in self._seats()}
             for key in self._seated - seats:

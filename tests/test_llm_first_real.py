@@ -6,14 +6,17 @@ for logprobs waits for the continuous-batching pipeline, and the stateful pipeli
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
+import openvino_genai as ov_genai
 import pytest
 
 from modelserver.engines import llm, llm_first
 from modelserver.engines.base import ChatTurn, GenerationRequest, SamplingParams
 from modelserver.spec import build_model_spec
+from modelserver.textstream import IncrementalDetokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(300)]
 
@@ -83,3 +86,59 @@ async def test_a_cancelled_stream_frees_the_stateful_pump_for_the_next(engine: A
     await stream.aclose()
     _, done = await answer(engine, ask("Say yes.", 3))
     assert done.completion_tokens == 3 and engine._current()._pump.cancelled + engine.stats()["cancelled"] >= 1
+
+
+class BlockingPipe:
+    """A stand-in for the stateful pipeline: each generate() streams two tokens once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.started = threading.Event()
+        self.calls = 0
+
+    def generate(self, input_ids: Any, config: Any, streamer: Any) -> None:
+        self.calls += 1
+        self.started.set()
+        self.go.wait(30)
+        for token in (5, 6):
+            streamer.write(token)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.submitted: list[Any] = []
+
+    def submit(self, ticket: Any) -> None:
+        self.submitted.append(ticket)
+
+    def cancel(self, ticket: Any) -> None:
+        ticket.cancelled.set()
+
+
+def ticket(n: int, events: list[Any]) -> Any:
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens = 2
+    return llm.Ticket(n, None, config, events.append, detokenizer=IncrementalDetokenizer(lambda ids: "x" * len(ids)))
+
+
+def test_at_the_switch_the_waiting_requests_go_to_continuous_batching_and_the_one_under_way_finishes() -> None:
+    pipe, target, events = BlockingPipe(), Collector(), []
+    pump = llm_first.SerialPump(pipe)
+    pump.start()
+    tickets = [ticket(n, events) for n in range(3)]
+    for each in tickets:
+        pump.submit(each)
+    assert pipe.started.wait(30)  # the first is generating
+    pump.finish(target)
+    pipe.go.set()
+    pump._thread.join(30)
+    assert not pump.alive and pump._pipe is None and pipe.calls == 1
+    assert target.submitted == tickets[1:]  # in order, not generated here
+    assert events[-1] == ([], "", "length") and tickets[0].tokens == 2 and pump.answered.is_set()
+
+
+async def test_a_burst_at_the_start_is_answered_whole_across_the_switch(engine: Any) -> None:
+    burst = await asyncio.gather(*(answer(engine, ask(f"Tell me about {i}.", 24)) for i in range(10)))
+    assert all(done.completion_tokens == 24 and done.finish_reason == "length" and text for text, done in burst)
+    engine._builder.join(120)
+    assert engine.stats()["pipeline"] == "continuous_batching"

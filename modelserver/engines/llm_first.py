@@ -10,9 +10,10 @@ ids, finish reasons and ``max_tokens`` as the continuous-batching pump) while th
 continuous-batching pipeline is built in a thread of its own — once the first request has
 been answered (or :data:`BUILD_AFTER_S` after the start when none came), so its compile does
 not compete with that first answer. Then :class:`Bridge` switches: new requests go to the
-continuous-batching pipeline, the stateful one finishes what it has, and is dropped (its
-memory goes with it). Requests that ask for what only the continuous-batching pump reports
-(``logprobs``) or constrains (structured output) wait for it instead.
+continuous-batching pipeline, so do the ones still waiting for the stateful one, which
+finishes the generation under way and is dropped (its memory goes with it). Requests that
+ask for what only the continuous-batching pump reports (``logprobs``) or constrains
+(structured output) wait for it instead.
 
 ``options: {first_answer: false}`` turns it off; a converting load (a ``.gguf`` being saved
 as IR) and any device but CPU never use it.
@@ -101,8 +102,8 @@ class _TicketStreamer(ov_genai.StreamerBase):  # type: ignore[misc]
 
 class SerialPump:
     """The stateful pipeline's pump: the same interface as :class:`modelserver.engines.llm.Pump`, one request
-    at a time in arrival order (one thread calls the pipeline). :meth:`finish` ends it once what was
-    submitted is answered, and drops the pipeline."""
+    at a time in arrival order (one thread calls the pipeline). :meth:`finish` ends it after the
+    generation under way, hands the requests still waiting to another pump, and drops the pipeline."""
 
     def __init__(self, pipe: Any) -> None:
         self._pipe = pipe
@@ -112,9 +113,10 @@ class SerialPump:
         self.completed = 0
         self.cancelled = 0
         self.metrics: Any = None  # no scheduler figures
-        self.answered = threading.Event()  # set when a request was answered and nothing else waits
+        self.answered = threading.Event()  # set once a request was answered
         self.advanced_at = time.monotonic()
         self._queued = 0
+        self._target: Any = None  # after the switch: where the requests still waiting go
         self._thread = threading.Thread(target=self._run, name="ov-first-pump", daemon=True)
 
     @property
@@ -140,9 +142,13 @@ class SerialPump:
 
     def cancel(self, ticket: Any) -> None:
         ticket.cancelled.set()
+        if self._target is not None:  # it may have been handed over
+            self._target.cancel(ticket)
 
-    def finish(self) -> None:
-        """Answer what was submitted, then stop and let go of the pipeline (nothing is submitted after this)."""
+    def finish(self, target: Any) -> None:
+        """The generation under way ends here; the requests still waiting go to ``target`` (the continuous-batching
+        pump), in order; then the pump stops and lets go of the pipeline (nothing is submitted after this)."""
+        self._target = target
         self._inbox.put(None)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -161,6 +167,8 @@ class SerialPump:
             try:
                 if self._halted:
                     ticket.deliver(EngineError("the model server is stopping"))
+                elif self._target is not None:
+                    self._target.submit(ticket)
                 elif ticket.cancelled.is_set():
                     self.cancelled += 1
                 else:
@@ -168,8 +176,6 @@ class SerialPump:
             finally:
                 self._queued -= 1
                 self.advanced_at = time.monotonic()
-                if not self._queued:
-                    self.answered.set()
         self._pipe = None  # the pipeline goes once the last reference (the generator's) is dropped
 
     def _generate(self, ticket: Any) -> None:
@@ -186,6 +192,7 @@ class SerialPump:
             return
         self.completed += 1
         ticket.deliver(([], ticket.detokenizer.flush(), _finish(ticket.config, ticket.tokens, streamer.last)))
+        self.answered.set()
 
 
 def _finish(config: Any, tokens: int, last: int | None) -> str:
@@ -336,7 +343,7 @@ class Bridge:
             self._full = full
         self._deferred._pump.forward(full._pump)
         self.switched_after_s = time.monotonic() - self._started
-        first._pump.finish()  # answers what it holds, then lets go of the pipeline
+        first._pump.finish(full._pump)  # ends its generation under way; what waits goes to continuous batching
         first._pump._thread.join()
         with self._lock:
             self._first = self._deferred = None
