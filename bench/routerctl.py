@@ -106,11 +106,15 @@ class Router:
         return str(self.models()[name].get("state", "")).upper()
 
     def load(self, name: str) -> int:
-        """Start a model and wait until READY; its pid."""
+        """Start a model and wait until READY and warm: an ``llm`` that started on its stateful pipeline
+        (first answers while continuous batching compiles: modelserver/engines/llm_first.py) has switched,
+        so what a section measures is the steady state. Its pid."""
         status, body = self.post(f"/api/models/{name}/load")
         if status >= 400:
             raise RuntimeError(f"load {name}: {status} {body}")
         wait_until(lambda: self.state(name) == "READY", 300, f"{name} READY", interval_s=0.05)
+        wait_until(lambda: self.get(f"/upstream/{name}/health").get("pipeline") != "stateful", 300,
+                   f"{name} on its continuous-batching pipeline", interval_s=0.1)
         pid = self.pid(name)
         if pid is None:
             raise RuntimeError(f"{name} is READY but has no pid")
