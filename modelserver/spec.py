@@ -146,8 +146,8 @@ class ModelSpec(_Frozen):
     preload: bool = for_router(False, description="start with the router instead of on the first request")
     ov_config: dict[str, Any] = for_engine(default_factory=dict, description="OpenVINO properties, passed through")
     scheduler: dict[str, Any] = for_engine(default_factory=dict, description=(
-        "openvino_genai.SchedulerConfig fields; `llm` turns `enable_prefix_caching` on (and on CPU `cache_size: 1`) "
-        "unless set: docs/prefix-caching.md"))
+        "openvino_genai.SchedulerConfig fields; `llm` turns `enable_prefix_caching` on (and on CPU a fixed cache "
+        "sized for `max_concurrency` full contexts, at most 1 GB) unless set: docs/prefix-caching.md"))
     group: str | None = for_router(None, description="a key of `groups` (shared max_loaded)")
     pin: bool = for_router(False, description="never stopped to make room for another model")
     min_residency_s: float = for_router(
