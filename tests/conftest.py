@@ -72,10 +72,20 @@ def _keep_cores(folder: Path) -> None:
 
 
 def _children() -> set[int]:
+    """This process's live descendants. One that exits while they are listed is left out, not the whole list
+    (an empty "before" would count every module-scoped server as a leak of the test that happened to run)."""
     try:
-        return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True) if p.status() != "zombie"}
+        found = psutil.Process(os.getpid()).children(recursive=True)
     except psutil.Error:
         return set()
+    alive = set()
+    for child in found:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.add(child.pid)
+        except psutil.Error:
+            continue
+    return alive
 
 
 @pytest.fixture(autouse=True)
