@@ -41,8 +41,9 @@ WHENS = ("before", "during", "after")
 #: The fault: a SIGSTOP held until the hang is found, one lifted after a moment, or none.
 HANGS = ("hang", "hang", "brief stop", "no stop")
 STREAM_BOUND_S = 90.0
-#: A continuation the model server refused (router/path/recovery.py's words): a resume that was not faithful.
-REFUSED = "could not continue the answer"
+#: A continuation the fake engine refused (modelserver/engines/fake.py's words, in the router's error event): the
+#: router asked it to continue a text that is not the start of its answer — a resume that was not faithful.
+REFUSED = "which cannot continue it"
 #: Sizes under the budget: two processes of ``echo`` fit (a rolling change runs beside), ``echo`` and ``other`` not.
 BUDGET_MB, ECHO_MB, OTHER_MB = 700, 300, 500
 
