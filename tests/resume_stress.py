@@ -292,10 +292,12 @@ def stress_config(tmp_path: Path, rng: random.Random) -> Path:
     fast_health = {"health_interval_s": 0.5, "health_timeout_s": 1, "health_failures": 2}
     if rng.random() < 0.3:  # the soak: a hang found seconds after a rolling change began beside it
         fast_health = {"health_interval_s": 2, "health_timeout_s": 2, "health_failures": 3}
-    stall = {"stall_timeout_s": rng.choice([1.5, 3.0])} if rng.random() < 0.5 else {}
+    extra = {"stall_timeout_s": rng.choice([1.5, 3.0])} if rng.random() < 0.5 else {}
+    if rng.random() < 0.7:  # a round's fault is a first failure; else they add up, and after max_retries the
+        extra["stable_after_s"] = 1.0  # streams of a model left in backoff end with an error event
     fake = {"load_s": rng.choice([0.05, 0.5, 1.5]), "token_delay_s": rng.choice([0.02, 0.05])}
     model = fake_model(fake=fake, max_resumes=3, drain_timeout_s=30, memory_mb=ECHO_MB, restart="rolling",
-                       **fast_health, **stall)
+                       **fast_health, **extra)
     other = fake_model(fake={"load_s": 0.05, "token_delay_s": 0.005}, memory_mb=OTHER_MB)
     return write_config(tmp_path, {"echo": model, "other": other},
                         router={"memory_budget": {"CPU": f"{BUDGET_MB}MiB"}})
