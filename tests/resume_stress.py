@@ -184,6 +184,9 @@ class Stress:
     def __init__(self, router: RunningRouter, config_path: Path, rng: random.Random, figures: Figures,
                  streams: int) -> None:
         self.router, self.config_path, self.rng, self.figures, self.streams = router, config_path, rng, figures, streams
+        # idle connections dropped well before the server's keep-alive timeout (uvicorn's 5 s, httpx's default
+        # expiry too): a request sent on a connection the server closes that moment fails with a ReadError
+        self.client = httpx.AsyncClient(base_url=router.url, timeout=60, limits=httpx.Limits(keepalive_expiry=1.0))
 
     def found_s(self) -> float:
         """About when the probes (and the heartbeat watch, which waits as long) find a hang."""
@@ -196,7 +199,7 @@ class Stress:
 
     async def act(self, action: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
-        client = self.router.client
+        client = self.client
         if action == "restart":  # rolling (the model's restart setting, unless a reload made it stop-first)
             await client.post("/api/models/echo/restart", timeout=120)
         elif action == "reload":  # a setting the engine reads: the process is replaced, rolling or stop-first
@@ -217,7 +220,7 @@ class Stress:
                     os.kill(pid, signal.SIGKILL)
 
     async def round(self) -> None:
-        rng, client = self.rng, self.router.client
+        rng, client = self.rng, self.client
         bodies = [body_of(rng) for _ in range(self.streams)]
         expected = await asyncio.gather(*(unbroken(client, b) for b in bodies))
         hang = rng.choice(HANGS)
@@ -313,22 +316,23 @@ async def run_stress(tmp_path: Path, seconds: float, seed: int, streams: int = 8
     try:
         async with running_router(path) as router:
             stress = Stress(router, path, rng, figures, streams)
-            until = time.monotonic() + seconds
-            while True:  # one round at least
-                await stress.round()
-                await wait_ready(router)
-                if time.monotonic() >= until or figures.problems:
-                    break
+            async with stress.client:
+                until = time.monotonic() + seconds
+                while True:  # one round at least
+                    await stress.round()
+                    await wait_ready(stress.client)
+                    if time.monotonic() >= until or figures.problems:
+                        break
     finally:
         recovery.removeHandler(counter)
     return figures
 
 
-async def wait_ready(router: RunningRouter, timeout_s: float = 60.0) -> None:
+async def wait_ready(client: httpx.AsyncClient, timeout_s: float = 60.0) -> None:
     """Between rounds: the model serves again (a hang found, a relaunch done, any retired process gone)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reply = await router.client.post("/v1/chat/completions", json={"model": "echo", "messages": [
+        reply = await client.post("/v1/chat/completions", json={"model": "echo", "messages": [
             {"role": "user", "content": "ready"}]}, timeout=timeout_s)
         if reply.status_code == 200:
             return
