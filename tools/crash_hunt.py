@@ -52,6 +52,9 @@ def main() -> int:
             codes[proc.returncode] += 1
             tail = (proc.stdout.strip().splitlines() or ["?"])[-1]
             print(f"run {run}: rc={proc.returncode} {time.monotonic() - t0:.0f}s {tail}", flush=True)
+            for line in proc.stdout.splitlines():  # which tests failed (the -ra summary), for a run that did not crash
+                if line.startswith(("FAILED ", "ERROR ")):
+                    print(f"  {line[:300]}", flush=True)
             if proc.returncode < 0 or proc.returncode > 128:
                 crashed.append(run)
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", flush=True)
