@@ -52,8 +52,17 @@ __all__ = ["FAILURE_REASONS", "Backend", "Lease"]
 
 log = logging.getLogger(__name__)
 
-#: What the owner's queue carries: the machine's events, and a replacement's command and reports.
-Event = m.Event | r.Replace | r.Report
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Ended:
+    """A counted request of the process of ``generation`` ended, queued while the owner was busy: the owner counts
+    it against that process — a retiree, when a switch came between the post and the take (a bare ``Done``
+    taken then would count against the new process and leave the old one draining until ``drain_timeout_s``)."""
+
+    generation: int
+
+
+#: What the owner's queue carries: the machine's events, a replacement's command and reports, a request's end.
+Event = m.Event | r.Replace | r.Report | _Ended
 
 
 class Lease(NamedTuple):
@@ -100,6 +109,7 @@ class Backend:
         self._fast = True  # the request path's shortcut (tests turn it off to compare both paths)
         self._roll: r.Rollout | None = None  # a rolling start beside the current process (procman/rolling.py)
         self._retired: dict[int, r.Retiree] = {}  # generation -> a replaced process, draining
+        self._retired_gone: set[int] = set()  # generations of replaced processes gone since (recent ones)
 
     # -- what others read --------------------------------------------------------------------
 
@@ -273,19 +283,27 @@ class Backend:
         return await self._want(count=True)
 
     async def _finished(self, generation: int) -> None:
-        retiree = self._retired.get(generation)
-        if retiree is not None:  # admitted to a process replaced since: it counts done against that one
-            self.last_used = time.time()
-            retiree.done()
+        if self._retiree_done(generation):
             return
         if self._shortcut(_DONE):
             return
         if self._quiet():
             self._dispatch(_DONE, None)
         else:
-            done = self._post(_DONE, want_reply=True)
+            done = self._post(_Ended(generation), want_reply=True)
             assert done is not None
             await done
+
+    def _retiree_done(self, generation: int) -> bool:
+        """Count a request's end against the replaced process it was admitted to; False: the current process's.
+
+        A replaced process that is gone (drained, or killed while requests still held leases on it) took its
+        count with it: a late end is its own, never the new process's (that would undercount requests running)."""
+        retiree = self._retired.get(generation)
+        if retiree is not None:
+            self.last_used = time.time()
+            retiree.done()
+        return retiree is not None or generation in self._retired_gone
 
     async def stop(self, reason: str = "stop", *, drain: bool = True) -> None:
         """Stop the process (after in-flight requests finish, bounded, when ``drain``); -> STOPPED.
@@ -394,11 +412,9 @@ class Backend:
             return await reply  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             if count and reply.done() and not reply.cancelled() and reply.exception() is None:
-                retiree = self._retired.get(reply.result().generation)  # admitted, but the caller went away
-                if retiree is not None:
-                    retiree.done()
-                else:
-                    self._post(m.Done())
+                generation = reply.result().generation  # admitted, but the caller went away
+                if not self._retiree_done(generation):
+                    self._post(_Ended(generation))
             raise
 
     async def _ask(self, event: Event) -> None:
@@ -455,7 +471,12 @@ class Backend:
     def _dispatch(self, event: Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
         self._handling = True
         try:
-            if isinstance(event, r.EVENTS):
+            if isinstance(event, _Ended):
+                if not self._retiree_done(event.generation):
+                    self._handle(_DONE, reply)
+                elif reply is not None and not reply.done():
+                    reply.set_result(None)
+            elif isinstance(event, r.EVENTS):
                 self._replacing(event, reply)
             else:
                 self._handle(event, reply, decision)
@@ -530,6 +551,8 @@ class Backend:
             self._end_roll()
         else:
             self._retired.pop(event.generation, None)
+            self._retired_gone = {g for g in self._retired_gone if g > event.generation - DEATHS_KEPT}
+            self._retired_gone.add(event.generation)
         self._turn_ends()
 
     def _replace_turn(self, event: r.Replace, reply: asyncio.Future[Any] | None) -> None:

@@ -140,6 +140,28 @@ async def test_a_rolling_change_switches_new_requests_while_the_old_one_finishes
     assert a.in_flight == 0 and a.failures == 0 and len(h.spawner.procs) == 2
 
 
+async def test_a_request_ending_as_the_new_process_is_found_ready_counts_against_the_old_one(h: Harness) -> None:
+    # The request's end reaches the owner's queue just behind the news that the new process is READY: the
+    # owner switches first (the old process retires holding that request), then takes the end, which must
+    # count against the old process — not the new one, leaving the old one draining until drain_timeout_s.
+    a = h.add("a", drain_timeout_s=300.0)
+    held = await Held(a).admitted()
+    old_proc, old_gen = h.spawner.last, a.generation
+    post = a._post
+
+    def ending_with_the_start(event: Any, want_reply: bool = False) -> Any:
+        if isinstance(event, r.NextStarted):
+            held._go.set()  # the request's end runs before the owner takes the news, and finds it busy
+        return post(event, want_reply)
+
+    a._post = ending_with_the_start  # type: ignore[method-assign]
+    await h.clock.run(a.replace(fake_spec("a", drain_timeout_s=300.0, **NEW_SPEC), rolling=True))
+    await held.task
+    await settle()
+    assert a.in_flight_of(old_gen) == 0 and not old_proc.alive  # drained and stopped, no drain timeout
+    assert a.in_flight == 0 and a.state is State.READY and a.generation == old_gen + 1 and used(h) == 300
+
+
 async def test_a_rolling_restart_of_the_same_spec_is_told_as_a_restart(h: Harness) -> None:
     a = h.add("a")
     await a.ensure_ready()
@@ -224,6 +246,21 @@ async def test_a_request_that_saw_the_old_process_hang_kills_it_at_once(h: Harne
     await h.clock.advance(1.0)
     assert not old_proc.alive and old_proc.signals[-1] == 9 and a.state is State.READY and a.generation == old_gen + 1
     await held.release()
+
+
+async def test_a_request_of_an_old_process_killed_as_hung_ends_without_uncounting_the_new_ones(h: Harness) -> None:
+    a = h.add("a", drain_timeout_s=300.0)
+    held = await Held(a).admitted()
+    old_gen = a.generation
+    await h.clock.run(a.replace(fake_spec("a", drain_timeout_s=300.0, **NEW_SPEC), rolling=True))
+    fresh = await Held(a).admitted()  # on the new process
+    await a.restart("hang", generation=old_gen)  # the old one is killed while its request still holds it
+    await h.clock.advance(1.0)
+    await settle()
+    await held.release()  # its end is the gone process's: the new process still counts its own request
+    assert a.in_flight == 1 and not a.is_idle()
+    await fresh.release()
+    assert a.in_flight == 0 and a.is_idle()
 
 
 async def test_remove_during_a_rolling_start_leaves_no_process(h: Harness) -> None:
