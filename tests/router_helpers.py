@@ -76,7 +76,10 @@ async def running_router(config_path: Path, api_key: str | None = None,
         port = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as client:
+        # idle connections are dropped after 1 s: uvicorn closes them after 5 s, and a request sent on one at that
+        # moment gets a ReadError (httpx's own expiry is also 5 s)
+        limits = httpx.Limits(keepalive_expiry=1.0)
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers, limits=limits) as client:
             yield RunningRouter(url, service, client)
     finally:
         server.should_exit = True
