@@ -47,19 +47,23 @@ class FakeClock:
     def sleepers(self) -> int:
         return sum(1 for *_, f in self._sleepers if not f.done())
 
+    async def settle(self) -> None:
+        """How the clock lets wake-ups run (a subclass may settle differently)."""
+        await settle()
+
     async def advance(self, seconds: float) -> None:
         """Move time forward, waking sleepers in deadline order and letting each wake-up run."""
         target = self.now + seconds
-        await settle()
+        await self.settle()
         while self._sleepers and self._sleepers[0][0] <= target:
             deadline, _, future = heapq.heappop(self._sleepers)
             if future.done():
                 continue
             self.now = max(self.now, deadline)
             future.set_result(None)
-            await settle()
+            await self.settle()
         self.now = target
-        await settle()
+        await self.settle()
 
     async def run(self, awaitable: Awaitable[T], step: float = 0.5, limit_s: float = 10_000.0) -> T:
         """Await ``awaitable`` while advancing time ``step`` by ``step`` (for things that wait on timers)."""

@@ -12,7 +12,6 @@ listener calls, and manager notifications (``Runtime.changed``).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,17 +85,7 @@ async def settle() -> None:
 class QuickClock(FakeClock):
     """procman_fakes.FakeClock, settling by quiescence rather than by a fixed number of rounds."""
 
-    async def advance(self, seconds: float) -> None:
-        target = self.now + seconds
-        await settle()
-        while self._sleepers and self._sleepers[0][0] <= target:
-            deadline, _, future = heapq.heappop(self._sleepers)
-            if future.done():
-                continue
-            self.now = max(self.now, deadline)
-            future.set_result(None)
-            await settle()
-        self.now = target
+    async def settle(self) -> None:
         await settle()
 
 
