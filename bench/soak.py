@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, help="minutes before the baseline (default: a fifth, at least 1)")
     parser.add_argument("--sample-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--keep-logs", type=Path, help="copy the router's and model servers' logs here at the end "
+                        "(each clean failure is listed with the time it was sent: find it there)")
     parser.add_argument("--no-real", action="store_true", help="fake models only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -165,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         tally, samples = asyncio.run(run(router, config, state_dir, minutes, args.sample_s, args.seed))
         procs.stop(router.proc, timeout_s=30)
         reasons = chaos.report(tally, chaos.reap_orphans(state_dir), minutes * 60)
+        chaos.keep_logs(Path(tmp), args.keep_logs)
     print(f"\nsamples (every {args.sample_s:g} s; baseline at minute {warmup:g}):\n{table(samples)}")
     return chaos.verdict("soak", reasons + growth(samples, warmup, len(chosen) + 1))
 
