@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from procman.placement import Holder
+from procman.process import READY_PREFIX
 from procman.spawner import LineCallback, ProcessHandle, SubprocessHandle, SubprocessSpawner
 from procman.spec import FrozenEnv
 
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 
 #: The line a spare prints once past its imports (``modelserver.spare.SPARE_READY``).
 SPARE_READY = "ovrouter-spare-ready"
-#: A started process's readiness line (``procman.process.READY_PREFIX``): the start a spare served is done.
-READY_PREFIX = "ovrouter-ready "
 #: The longest a new spare waits for the start before it (a start that never announces itself).
 REFILL_AFTER_S = 30.0
 #: After that start's readiness line, how long a new spare still waits: its imports (~1 s of CPU) would
@@ -228,7 +227,7 @@ class SparePool:
                 self._wake.set()
 
         def line(text: str) -> None:
-            if not done and text.startswith(READY_PREFIX):
+            if not done and text.startswith(READY_PREFIX):  # the start a spare served is done
                 asyncio.get_running_loop().call_later(REFILL_DELAY_S, started)
             on_line(text)
 
