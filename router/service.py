@@ -74,7 +74,7 @@ class RouterService:
         self.devices = DeviceGuard(self.registry, config.router.device_failure_threshold)  # unhealthy devices
         self.events = EventBus()  # what /api/events, /ui and /models/sse stream (router.api.events)
         self.pool: Upstream = upstream or UpstreamPool()
-        self.console = Console(self.registry, self.metrics, self.events, self.pool)
+        self.console = Console(self.registry, self.metrics, self.events)
         self.registry.residency.publish = self.events.publish  # evict and rolling events
         self.responses = ResponseStore(self._store_limits)  # finished Responses (router/api/responses.py)
         self.started_at = time.time()

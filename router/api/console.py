@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import signal
 import threading
 import time
@@ -28,7 +27,6 @@ from typing import Any
 from procman import Restarted, Started, State, Stopped, Transition
 from router.api.activity import Activity
 from router.api.events import EventBus
-from router.edge.upstream import Upstream
 from router.metrics import BACKEND_GAUGES, Metrics
 from router.state.budget import process_memory_bytes
 from router.state.registry import Registry
@@ -37,14 +35,12 @@ __all__ = ["Console"]
 
 EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-log = logging.getLogger(__name__)
-
 LOADING_TICK_S = 1.0
 
 
 class Console:
-    def __init__(self, registry: Registry, metrics: Metrics, bus: EventBus, pool: Upstream) -> None:
-        self.registry, self.metrics, self.pool = registry, metrics, pool
+    def __init__(self, registry: Registry, metrics: Metrics, bus: EventBus) -> None:
+        self.registry, self.metrics = registry, metrics
         self.bus: EventBus = bus
         self.last_reason: dict[str, str] = {}
         self.restarts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)

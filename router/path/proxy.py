@@ -16,9 +16,6 @@ process dies under it)::
 
 from __future__ import annotations
 
-from router.path.recovery import DEATH_GRACE_S, forward
-from router.path.relay import run_until_disconnect, send_error
-from router.path.request import ProxyRequest, upstream_headers
+from router.path.recovery import forward
 
-# ProxyRequest, upstream_headers, run_until_disconnect and send_error are re-exported for older imports
-__all__ = ["DEATH_GRACE_S", "ProxyRequest", "forward", "run_until_disconnect", "send_error", "upstream_headers"]
+__all__ = ["forward"]
