@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import shutil
 from collections.abc import Mapping, Sequence
@@ -72,7 +73,8 @@ def run(ctx: Context, key: str) -> Section:
     if importlib.util.find_spec(name) is None:
         raise SectionSkipped(f"{name.replace('.', '/')}.py is not in this tree yet")
     module = importlib.import_module(name)
-    result = module.run(ctx.quick)
+    takes_loadgen = "loadgen" in inspect.signature(module.run).parameters  # the sections that send HTTP load
+    result = module.run(ctx.quick, loadgen=ctx.loadgen) if takes_loadgen else module.run(ctx.quick)
     if not isinstance(result, Mapping):
         raise TypeError(f"{name}.run() returned {type(result).__name__}, expected a dict")
     return to_section(key, result, ctx.out_dir)

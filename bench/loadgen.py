@@ -2,8 +2,12 @@
 
 Both keep ``connections`` keep-alive connections busy for ``duration_s`` (each sends its
 next request as soon as the previous answer is complete) and report every request:
-completed ones, errors by kind (non-2xx status, connect, read/write, timeout), and latency
-percentiles over all samples. Only loopback targets are accepted.
+completed ones, errors by kind (non-2xx status, connect, read/write, timeout), latency
+percentiles over all samples, and the CPU seconds the generator itself spent (wrk's
+process, from its rusage; the asyncio generator's thread), so that a figure of CPU per
+request can show the client's share apart from the server's. Only loopback targets are
+accepted. A target with several ``bodies`` sends them in turn (wrk: request by request;
+asyncio: connection by connection).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +29,7 @@ import numpy as np
 
 from bench.procs import die_with_parent
 
-__all__ = ["PERCENTILES", "LoadResult", "Target", "run_asyncio", "run_load", "run_wrk"]
+__all__ = ["PERCENTILES", "LoadResult", "Target", "parse_wrk", "run_asyncio", "run_load", "run_wrk"]
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +41,21 @@ LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """One HTTP endpoint on loopback and the JSON body POSTed to it."""
+    """One HTTP endpoint on loopback and the JSON body POSTed to it (or ``bodies``, sent in turn)."""
 
     url: str
     body: bytes
+    bodies: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         host = urlsplit(self.url).hostname
         if host not in LOOPBACK:
             raise ValueError(f"load is sent to loopback only, not {host!r}")
+        if any(b"\n" in body for body in (self.body, *self.bodies)):
+            raise ValueError("a body must be one line (wrk receives the bodies as lines)")
+
+    def all_bodies(self) -> tuple[bytes, ...]:
+        return self.bodies or (self.body,)
 
 
 @dataclass(slots=True)
@@ -58,6 +70,7 @@ class LoadResult:
     pct_ms: dict[float, float] = field(default_factory=dict)
     mean_ms: float = 0.0
     max_ms: float = 0.0
+    cpu_s: float | None = None  # the generator's own CPU seconds over the run
 
     @property
     def error_count(self) -> int:
@@ -89,12 +102,45 @@ def run_wrk(target: Target, connections: int, duration_s: float, wrk: str = "wrk
     """wrk with one thread (the load generator shares the 2 cores with what it measures)."""
     seconds = max(1, round(duration_s))
     argv = [wrk, "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", str(WRK_SCRIPT), target.url]
-    env = {**os.environ, "BENCH_BODY": target.body.decode()}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=seconds + 30, check=False,
-                          preexec_fn=die_with_parent)  # noqa: PLW1509 - only a prctl
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("BENCH_JSON ")), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}"[:500])
+    bodies = target.all_bodies()
+    env = {**os.environ, "BENCH_BODY": bodies[0].decode(), "BENCH_BODIES": b"\n".join(bodies).decode()}
+    code, stdout, stderr, cpu_s = _run_child(argv, env, seconds + 30)
+    try:
+        result = parse_wrk(stdout, connections)
+    except ValueError:
+        result = None
+    if code != 0 or result is None:
+        raise RuntimeError(f"wrk failed ({code}): {stderr.strip() or stdout.strip()}"[:500])
+    result.cpu_s = cpu_s
+    return result
+
+
+def _run_child(argv: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str, float]:
+    """``argv`` run to its end: exit code, stdout, stderr and its own CPU seconds (user + system, from wait4)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err,  # noqa: PLW1509 - only a prctl
+                                preexec_fn=die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.02)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read(), usage.ru_utime + usage.ru_stime
+
+
+def parse_wrk(stdout: str, connections: int) -> LoadResult:
+    """The ``BENCH_JSON`` line that ``bench/wrk_post.lua`` prints as a :class:`LoadResult`; ValueError without one."""
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("BENCH_JSON ")), None)
+    if line is None:
+        raise ValueError("wrk printed no BENCH_JSON line")
     return _from_wrk(json.loads(line.removeprefix("BENCH_JSON ")), connections)
 
 
@@ -207,10 +253,11 @@ async def _worker(host: str, port: int, request: bytes, deadline: float, tally: 
 
 
 async def _drive(target: Target, connections: int, duration_s: float) -> tuple[_Tally, float]:
-    host, port, request = _request_bytes(target)
+    requests = [_request_bytes(Target(target.url, body)) for body in target.all_bodies()]
     tally = _Tally()
     start = time.perf_counter()
-    await asyncio.gather(*(_worker(host, port, request, start + duration_s, tally) for _ in range(connections)))
+    deadline = start + duration_s
+    await asyncio.gather(*(_worker(*requests[i % len(requests)], deadline, tally) for i in range(connections)))
     return tally, time.perf_counter() - start
 
 
@@ -219,7 +266,9 @@ def run_asyncio(target: Target, connections: int, duration_s: float) -> LoadResu
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        cpu_before = _thread_cpu_s()
         tally, elapsed = runner.run(_drive(target, connections, duration_s))
+        cpu_s = _thread_cpu_s() - cpu_before
     samples_ms = np.asarray(tally.samples_ns, dtype=np.float64) / 1e6
     pct = dict(zip(PERCENTILES, np.percentile(samples_ms, PERCENTILES), strict=True)) if samples_ms.size else {}
     return LoadResult(
@@ -231,4 +280,10 @@ def run_asyncio(target: Target, connections: int, duration_s: float) -> LoadResu
         pct_ms={float(k): float(v) for k, v in pct.items()},
         mean_ms=float(samples_ms.mean()) if samples_ms.size else 0.0,
         max_ms=float(samples_ms.max()) if samples_ms.size else 0.0,
+        cpu_s=cpu_s,
     )
+
+
+def _thread_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_THREAD)  # the generator runs on this thread alone
+    return usage.ru_utime + usage.ru_stime
