@@ -110,9 +110,10 @@ class RouterSettings(_Frozen):
     responses_store_ttl_s: float = Field(3600, gt=0, description="how long a stored Response is kept")
     spare_interpreters: int = Field(
         1, ge=0, le=8, description="model-server interpreters kept started and past their imports (Python, "
-        "uvicorn, openvino, openvino_genai) while a model is stopped: the next cold start takes one instead of "
-        "a fresh process (about 0.9 s less on a 2-core machine) and another starts behind it; each holds "
-        "about 90 MiB, counted in memory_budget CPU. 0 = none; engine ray: none"
+        "uvicorn, and the engines of the configured models' tasks: openvino, openvino_genai) while a model is "
+        "stopped: the next cold start takes one instead of a fresh process (about 0.6-0.9 s less on a 2-core "
+        "machine) and another starts behind it; each holds about 90-97 MiB (60 MiB with only fake models), "
+        "counted in memory_budget CPU. 0 = none; engine ray: none"
     )
     memory_budget: str | dict[str, int | float | str] | None = Field(
         None, description="memory per device: `auto`, or {CPU: 12GiB, GPU.0: 75%, GPU.1: auto}; null = counts only"

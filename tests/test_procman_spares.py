@@ -228,7 +228,7 @@ def test_router_spare_interpreters_becomes_the_pools_settings(tmp_path: Path) ->
     config = load_config(write_config(tmp_path, {"a": fake_model()}, router={"spare_interpreters": 2}))
     spec = router_spare_spec(config)
     model = backend_spec(config.models["a"], config.router, config.path)
-    assert spec is not None and spec.count == 2 and spec.argv == (*spec.serves, "--spare")
+    assert spec is not None and spec.count == 2 and spec.argv == (*spec.serves, "--spare", "--warm", "fake:llm")
     assert model.argv is not None and model.argv[:len(spec.serves)] == spec.serves and model.cwd == spec.cwd
     assert {SPEC_ENV, READY_ENV} <= spec.late_env and spec.device == "CPU"
     assert any(tree.endswith("modelserver") for tree in spec.watch_trees) and sys.executable in spec.watch

@@ -14,10 +14,12 @@ from procman import BackendSpec, RestartPolicy, SpareSpec
 from procman.process import READY_ENV, TOKEN_ENV
 from router.config import Config, RouterSettings
 
-__all__ = ["backend_spec", "spare_spec", "supervision"]
+__all__ = ["backend_spec", "spare_argv", "spare_spec", "supervision"]
 
 #: The command every model server starts with; a spare interpreter runs it with ``--spare``.
 MODELSERVER = (sys.executable, "-m", "modelserver")
+#: ``modelserver.spare.SPARE_FLAG`` and ``WARM_FLAG`` (the router imports no more of modelserver than its spec).
+SPARE_FLAG, WARM_FLAG = "--spare", "--warm"
 
 #: BackendSpec and RestartPolicy fields, filled from the ModelSpec settings tagged ``supervisor``.
 _BACKEND_FIELDS = frozenset(f.name for f in dataclasses.fields(BackendSpec))
@@ -77,6 +79,13 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
     )
 
 
+def spare_argv(config: Config) -> tuple[str, ...]:
+    """``python -m modelserver --spare --warm ENGINE:TASK,...``: a spare imports ahead what the engines of this
+    config's model servers import (a config that adds one changes this, and a new command retires the spares)."""
+    pairs = sorted({f"{spec.engine}:{spec.task}" for spec in config.models.values() if spec.launches_modelserver})
+    return (*MODELSERVER, SPARE_FLAG, *((WARM_FLAG, ",".join(pairs)) if pairs else ()))
+
+
 def spare_spec(config: Config) -> SpareSpec | None:
     """The spare interpreters of ``router.spare_interpreters`` (none on an engine with nodes): processes that
     become any model server of this config, started in the folder and environment its model servers get."""
@@ -84,7 +93,7 @@ def spare_spec(config: Config) -> SpareSpec | None:
     if router.spare_interpreters <= 0 or router.engine.kind != "local":
         return None
     return SpareSpec(
-        argv=(*MODELSERVER, "--spare"),
+        argv=spare_argv(config),
         serves=MODELSERVER,
         count=router.spare_interpreters,
         cwd=str(config.path.parent) if config.path is not None else None,  # backend_spec's cwd

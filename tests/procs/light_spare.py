@@ -3,7 +3,9 @@ hand-over protocol of :mod:`modelserver.spare`, cheap enough for tests of the po
 
 from __future__ import annotations
 
+import sys
+
 import modelserver.spare as spare
 
-spare.warm_imports = lambda: None
-raise SystemExit(spare.main())
+spare.warm_imports = lambda pairs=(): None
+raise SystemExit(spare.main(sys.argv[1:]))
