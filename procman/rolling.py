@@ -208,7 +208,8 @@ async def start_next(rt: Runtime[B], backend: B, name: str, logs: LogBuffer, rol
 
 async def retire(rt: Runtime[Any], spec: Callable[[], BackendSpec], retiree: Retiree, logs: LogBuffer) -> Death | None:
     """Drain ``retiree`` (its requests end, or ``drain_timeout_s`` passes), then SIGTERM it; a retiree that
-    exits, hangs or is condemned meanwhile is killed at once and its death returned (None: a clean stop)."""
+    exits, hangs or is condemned meanwhile is killed at once and its death returned (None: a clean stop), judged
+    as the current process's would be (a hang of a process found stopped by a signal is from outside)."""
     running = retiree.running
     watch = asyncio.ensure_future(process.watch(rt, spec, running))
     waits = [asyncio.ensure_future(retiree.drained.wait()), asyncio.ensure_future(retiree.condemned.wait()),
@@ -227,9 +228,10 @@ async def retire(rt: Runtime[Any], spec: Callable[[], BackendSpec], retiree: Ret
     hung = watch.done() and not watch.cancelled()
     if hung or retiree.condemned.is_set():
         reason = "hang" if hung else retiree.reason
+        stopped = process.stopped(running)  # SIGSTOP: silenced from outside, as Backend._watch_process asks too
         log.warning("%s pid=%s (replaced, draining): killing it at once (SIGKILL): %s", spec().name, running.pid,
                     reason)
         await process.kill(rt, spec(), running, logs)
-        return deaths.of_hang(in_flight) if reason == "hang" else Death("fatal", None, in_flight)
+        return deaths.of_hang(in_flight, stopped) if reason == "hang" else Death("fatal", None, in_flight)
     await process.terminate(rt, spec(), running, logs)
     return None

@@ -8,6 +8,7 @@ during the overlap, and a remove or shutdown in the middle.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import pytest
 from procman_fakes import FakeProcess, FakeSpawner, Harness, fake_spec, settle
 
-from procman import Backend, Rolled, State
+from procman import Backend, Rolled, State, deaths
 from procman import rolling as r
+from procman.deaths import Death
 from procman.nodes import Node
 from procman.placement import Claim
 from procman.spawner import Where
@@ -245,6 +247,22 @@ async def test_a_request_that_saw_the_old_process_hang_kills_it_at_once(h: Harne
     await a.restart("hang", generation=old_gen)  # the new process is not touched
     await h.clock.advance(1.0)
     assert not old_proc.alive and old_proc.signals[-1] == 9 and a.state is State.READY and a.generation == old_gen + 1
+    await held.release()
+
+
+async def test_an_old_process_stopped_from_outside_while_it_drains_is_not_blamed_on_its_request(h: Harness) -> None:
+    """A retiree found hung while SIGSTOPped is judged as the current process would be: silenced from outside,
+    so the one request it drained is innocent (before, the retiree's death was blamed on it)."""
+    a = h.add("a", drain_timeout_s=300.0)
+    held = await Held(a).admitted()
+    old_proc, old_gen = h.spawner.last, a.generation
+    await h.clock.run(a.replace(fake_spec("a", drain_timeout_s=300.0, **NEW_SPEC), rolling=True))
+    old_proc.sigstopped, old_proc.healthy = True, False  # SIGSTOP: state T, its probes go unanswered
+    await h.clock.advance(120.0)
+    death = a.death(old_gen)
+    assert not old_proc.alive and old_proc.signals[-1] == signal.SIGKILL
+    assert death == Death("hang", -signal.SIGSTOP, 1) and deaths.external(death) and not death.blamed
+    assert a.state is State.READY and a.failures == 0
     await held.release()
 
 
