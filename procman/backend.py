@@ -685,6 +685,14 @@ class Backend:
             self._deaths[generation] = dataclasses.replace(self._deaths[generation], blamed=True)
         return m.Forgive(event.generations, len(counted))
 
+    def _restarting(self, event: m.Restart) -> m.Event:
+        """A ``hang`` restart (the router saw a request's heartbeats stop) of a process found stopped by a signal is
+        from outside, as the health watch's ``Hung`` says: asked now, before the kill, so it counts no failure."""
+        if event.reason != "hang" or event.outside:
+            return event
+        stopped = self.stopped(self.generation if event.generation is None else event.generation)
+        return dataclasses.replace(event, outside=True) if stopped else event
+
     def _retuned(self, event: m.Retune) -> m.Event:
         self.spec = self._next_spec  # decided with the new settings
         return event
@@ -708,8 +716,7 @@ class Backend:
         if type(event) not in deaths.REPORTS:
             return  # (the request path's events: not even a call)
         code = self._running.exit_code if self._running is not None else None
-        death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code,
-                                stopped=lambda: self.stopped(self.generation))
+        death = deaths.recorded(self.state, event, self.generation, self.counters.in_flight, code)
         if death is None:
             return
         self._deaths[self.generation] = death
@@ -945,8 +952,9 @@ class Backend:
         if reason == "crash":
             self._post(self._exited(running, generation))
         else:  # a hang with one request in flight: that request most likely hung it (unless SIGSTOP silenced it)
-            hang = deaths.of_hang(self.counters.in_flight, process.stopped(running))
-            self._post(m.Hung(generation, blamed=hang.blamed))
+            stopped = process.stopped(running)
+            hang = deaths.of_hang(self.counters.in_flight, stopped)
+            self._post(m.Hung(generation, blamed=hang.blamed, outside=stopped))
 
     def _exit_death(self, running: process.Running) -> Death:
         """The exit of ``running``, classified by :func:`procman.deaths.of_exit` (its code, its last lines)."""
@@ -1009,6 +1017,7 @@ _BEFORE: dict[type, Callable[[Backend, Any], m.Event]] = {
     m.Close: Backend._closing,
     m.Want: Backend._death_first,
     m.Forgive: Backend._forgiven,
+    m.Restart: Backend._restarting,
     m.Retune: Backend._retuned,
     m.Done: Backend._done,
     m.Started: Backend._landed,

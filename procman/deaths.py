@@ -12,7 +12,11 @@ the same type and the same predicates. The policy, in one place:
   (``fatal``, a ``stall``), or not exactly one request in flight (none, or several that share it);
 - *blamed*: not innocent — one request alone crashed or hung its process (a poison request). A
   blamed death counts no failure toward the backoff (``decide()`` reads ``Exited.blamed`` and
-  ``Hung.blamed``, built here), and ``Forgive`` later blames deaths the router found a poison in.
+  ``Hung.blamed``, built here), and ``Forgive`` later blames deaths the router found a poison in;
+- *counted* toward the backoff (:func:`counted`): every death but a blamed one and a hang of a
+  process found stopped by a signal (``Hung.outside``, ``Restart.outside``). A stop from outside is
+  no failure of the model and it is not crash-looping; a ``kill -9`` still counts (it cannot be told
+  from the OOM killer, which is the model's doing).
 
 No I/O, no clock, no project imports beyond the event types.
 """
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,6 +42,7 @@ __all__ = [
     "external",
     "external_signal",
     "fault_words",
+    "counted",
     "forgivable",
     "heard_first",
     "innocent",
@@ -85,6 +90,12 @@ def innocent(death: Death) -> bool:
     return external(death) or death.cause in ("fatal", "stall") or death.in_flight != 1
 
 
+def counted(death: Death) -> bool:
+    """Whether the death counted as a failure toward the backoff: not blamed on a poison request, and not a hang
+    of a process found stopped by a signal (someone else's doing, as ``decide()`` reads ``outside``)."""
+    return not death.blamed and not (death.cause == "hang" and external(death))
+
+
 def _judged(death: Death) -> Death:
     return dataclasses.replace(death, blamed=not innocent(death))
 
@@ -110,27 +121,26 @@ def of_hang(in_flight: int, stopped: bool = False) -> Death:
     return _judged(Death("hang", -signal.SIGSTOP if stopped else None, in_flight))
 
 
-def recorded(state: State, event: Event, generation: int, in_flight: int, code: int | None,
-             stopped: Callable[[], bool] = lambda: False) -> Death | None:
-    """The death ``event`` reports of the READY process of ``generation`` (``in_flight`` requests, exit ``code``;
-    ``stopped()``: whether the process is stopped by a signal, asked of a hang only), before ``decide()`` takes
-    it; None when it reports none (another process, another state, not a failure)."""
+def recorded(state: State, event: Event, generation: int, in_flight: int, code: int | None) -> Death | None:
+    """The death ``event`` reports of the READY process of ``generation`` (``in_flight`` requests, exit ``code``),
+    before ``decide()`` takes it; None when it reports none (another process, another state, not a failure)."""
     if state is not State.READY:
         return None
     match event:
         case Exited() if event.generation == generation:
             return Death(event.cause, code, in_flight, event.blamed)
         case Hung() if event.generation == generation:
-            return of_hang(in_flight, stopped())
+            return of_hang(in_flight, event.outside)
         case Restart() if event.reason in _FAILURES and event.generation in (None, generation):
-            return Death(_FAILURES[event.reason], None, in_flight, event.blamed)
+            stopped = -signal.SIGSTOP if event.outside else None
+            return Death(_FAILURES[event.reason], stopped, in_flight, event.blamed)
     return None
 
 
 def forgivable(deaths: Mapping[int, Death], generations: Iterable[int]) -> list[int]:
     """Of ``generations`` (whose deaths the router found a poison request in), those whose death was counted
-    as a failure and so comes off the count: known and not blamed already."""
-    return [g for g in sorted(set(generations)) if (d := deaths.get(g)) is not None and not d.blamed]
+    as a failure and so comes off the count: known and :func:`counted`."""
+    return [g for g in sorted(set(generations)) if (d := deaths.get(g)) is not None and counted(d)]
 
 
 def fault_words(reason: str, spec: BackendSpec) -> str:

@@ -52,11 +52,14 @@ class Restart:
     """Replace the process; with ``generation``, only if that one is still the READY one.
 
     ``blamed``: a request in flight caused the failure (a poison request): no failure is counted.
+    ``outside``: a ``hang`` of a process found stopped by a signal (SIGSTOP, SIGTSTP: someone else's doing, set by
+    the backend when the event's turn comes): no failure is counted either.
     """
 
     reason: str = "manual"
     generation: int | None = None
     blamed: bool = False
+    outside: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +105,12 @@ class Exited:
 @dataclass(frozen=True, slots=True)
 class Hung:
     """The READY process of ``generation`` failed ``health_failures`` probes in a row (``blamed``: with
-    one request in flight, the likely cause)."""
+    one request in flight, the likely cause; ``outside``: it was found stopped by a signal, SIGSTOP or SIGTSTP —
+    silenced from outside, no failure of its own: none is counted)."""
 
     generation: int
     blamed: bool = False
+    outside: bool = False
 
 
 @dataclass(frozen=True, slots=True)

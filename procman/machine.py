@@ -361,7 +361,7 @@ def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) ->
     if e.generation is not None and (e.generation != c.generation or state is not S.READY):
         return _same(state, c)  # that process is gone already: someone else restarted it
     if state is S.READY and e.reason in FAILURE_REASONS:
-        return _fault(c, e.reason, p, now, e.blamed)
+        return _fault(c, e.reason, p, now, counted=not e.blamed and not e.outside)
     if state is S.READY:  # READY -> STOPPING, then STOPPING -> STARTING: a replacement, no failure
         c = c._replace(then="start", reason=e.reason, draining=False)
         return Decision(S.STOPPING, c, (Notify("restart", e.reason), Disarm("drain"), Terminate()))
@@ -372,10 +372,11 @@ def _on_restart(state: State, e: Restart, c: Counters, p: Policy, now: float) ->
     return _same(state, c)  # STARTING: the start under way is the answer
 
 
-def _fault(c: Counters, reason: str, p: Policy, now: float, blamed: bool = False) -> Decision:
+def _fault(c: Counters, reason: str, p: Policy, now: float, counted: bool) -> Decision:
     """READY -> STOPPING: a hung or fatally failed process is SIGKILLed at once; BACKOFF follows (a failure,
-    unless a poison request is to blame: that protects no start, so it is not counted)."""
-    failures = failures_now(S.READY, c, p, now) + (not blamed)
+    unless a poison request is to blame, or the hang was a stop from outside: neither is the model crash-looping,
+    and backing off protects no start from them, so they are not ``counted``)."""
+    failures = failures_now(S.READY, c, p, now) + counted
     intent = c.then if c.draining else "fail"
     c = c._replace(failures=failures, then="fail", reason=reason, ready_at=None, draining=False, died=True)
     effects: tuple[Effect, ...] = (Notify("restart", reason), Blame(reason), Disarm("drain"), Disarm("idle"))
@@ -385,7 +386,7 @@ def _fault(c: Counters, reason: str, p: Policy, now: float, blamed: bool = False
 
 
 def _on_hung(state: State, e: Hung, c: Counters, p: Policy, now: float) -> Decision:
-    return _on_restart(state, Restart("hang", e.generation, e.blamed), c, p, now)
+    return _on_restart(state, Restart("hang", e.generation, e.blamed, e.outside), c, p, now)
 
 
 def _on_exited(state: State, e: Exited, c: Counters, p: Policy, now: float) -> Decision:

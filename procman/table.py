@@ -58,6 +58,7 @@ ROWS: list[tuple[str, State, Counters, Event]] = [
     ("a client's keep_alive -1: never idle", S.READY, C, KeepAlive(float("inf"))),
     ("the process exited (crash)", S.READY, C, Exited(1)),
     ("health probes failed (hang)", S.READY, C, Hung(1)),
+    ("...of a process stopped by SIGSTOP", S.READY, C, Hung(1, outside=True)),
     ("X-Backend-Fatal: 1", S.READY, C, Restart("fatal", 1)),
     ("manual restart", S.READY, C, Restart("manual")),
     ("reload: the process must change", S.READY, C, Update()),

@@ -372,6 +372,36 @@ async def test_hang_is_killed_and_relaunched_after_n_failed_probes(h: Harness) -
     assert f"pid={hung.pid} was killed: /health failed 3 probes in a row" in (backend.last_error or "")
 
 
+async def test_a_process_stopped_from_outside_again_and_again_is_relaunched_at_once_and_never_backs_off(
+        h: Harness) -> None:
+    """SIGSTOP is someone else's doing: each stopped process is killed as hung and relaunched at once, with no
+    failure counted (past max_retries too); a kill -9 after that still counts (it may be the OOM killer)."""
+    policy = RestartPolicy(max_retries=2, backoff_base_s=30.0, backoff_max_s=60.0, stable_after_s=3600.0)
+    backend = h.add(health_interval_s=10.0, health_failures=3, policy=policy)
+    await backend.ensure_ready()
+    for _ in range(policy.max_retries + 2):
+        stopped = h.spawner.last
+        stopped.sigstopped, stopped.healthy = True, False  # state T: no probe answers
+        await h.clock.advance(30.0)
+        assert not stopped.alive and stopped.signals == [signal.SIGKILL]
+        assert backend.state is State.READY and backend.pid != stopped.pid and backend.failures == 0
+    h.spawner.last.exit(-signal.SIGKILL)
+    await settle()
+    assert backend.state is State.READY and backend.failures == 1
+
+
+async def test_a_hang_restart_of_a_process_stopped_from_outside_counts_no_failure(h: Harness) -> None:
+    """The router's restart for a request whose heartbeats stopped: no failure when the process is found stopped
+    by a signal, one when it hung by itself."""
+    backend = h.add(health_interval_s=3600.0)
+    await backend.ensure_ready()
+    h.spawner.last.sigstopped = True
+    await backend.restart("hang", generation=backend.generation)
+    assert backend.state is State.READY and backend.failures == 0 and backend.restarts == 1
+    await backend.restart("hang", generation=backend.generation)  # not stopped: it hung by itself
+    assert backend.state is State.READY and backend.failures == 1 and backend.restarts == 2
+
+
 async def test_one_good_probe_resets_the_hang_count(h: Harness) -> None:
     backend = h.add(health_interval_s=10.0, health_failures=3)
     await backend.ensure_ready()

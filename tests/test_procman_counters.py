@@ -73,7 +73,8 @@ def events(state: State, c: Counters) -> list[Event]:
         Want(True), Want(False), Stop("unload"), Stop("stop", drain=False), Close(True), Close(False),
         Restart("manual"), Restart("fatal", g), Restart("hang", g), Restart("fatal", g - 1), Update(), Retune(),
         Exited(g), Exited(g, "fatal"), Exited(g, blamed=True), Exited(g, lost=True), Exited(g - 1), Hung(g),
-        Hung(g, blamed=True), RetryDue(), IdleTick(), DrainTimeout(), Forgive((g,), 1), KeepAlive(0.0),
+        Hung(g, blamed=True), Hung(g, outside=True), Restart("hang", g, outside=True), RetryDue(), IdleTick(),
+        DrainTimeout(), Forgive((g,), 1), KeepAlive(0.0),
         KeepAlive(float("inf")), KeepAlive(None),
     ]
     if c.in_flight:  # a done is for a counted request

@@ -51,6 +51,8 @@ def test_a_hang_of_a_process_stopped_by_sigstop_is_from_outside() -> None:
         (S.READY, m.Exited(4), None),  # an older process: not this one's death
         (S.STOPPING, m.Exited(5), None),  # being stopped anyway
         (S.READY, m.Hung(5), Death("hang", None, 1, blamed=True)),  # judged when taken, by the count then
+        (S.READY, m.Hung(5, outside=True), Death("hang", -signal.SIGSTOP, 1)),  # found stopped: from outside
+        (S.READY, m.Restart("hang", 5, outside=True), Death("hang", -signal.SIGSTOP, 1)),
         (S.READY, m.Hung(4), None),
         (S.READY, m.Restart("fatal", 5), Death("fatal", None, 1)),
         (S.READY, m.Restart("fatal"), Death("fatal", None, 1)),  # no generation: the current process
@@ -65,8 +67,16 @@ def test_what_an_event_records(state: State, event: m.Event, expected: Death | N
 
 
 def test_forgiving_takes_only_deaths_counted_as_failures() -> None:
-    known = {1: Death("crash", 1, 2), 2: Death("crash", 1, 1, blamed=True), 4: Death("hang", None, 3)}
-    assert deaths.forgivable(known, [4, 2, 1, 3, 1]) == [1, 4]
+    known = {1: Death("crash", 1, 2), 2: Death("crash", 1, 1, blamed=True), 4: Death("hang", None, 3),
+             5: Death("hang", -signal.SIGSTOP, 2)}
+    assert deaths.forgivable(known, [4, 2, 1, 3, 1, 5]) == [1, 4]
+
+
+def test_every_death_counts_toward_the_backoff_but_a_poison_and_a_stop_from_outside() -> None:
+    assert deaths.counted(Death("crash", KILL, 1)) and deaths.counted(Death("crash", TERM, 2))  # kill -9, OOM
+    assert deaths.counted(Death("hang", None, 2)) and deaths.counted(Death("fatal", None, 1))
+    assert not deaths.counted(Death("crash", 1, 1, blamed=True))
+    assert not deaths.counted(deaths.of_hang(1, stopped=True)) and not deaths.counted(deaths.of_hang(3, stopped=True))
 
 
 def test_innocent_is_the_one_policy() -> None:

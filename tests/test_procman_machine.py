@@ -365,6 +365,15 @@ def test_ready_to_stopping_on_a_hang_one_request_caused_counts_no_failure() -> N
     assert state is S.STOPPING and c.failures == 0 and Terminate(graceful=False) in effects
 
 
+@pytest.mark.parametrize("event", [Hung(generation=1, outside=True), Restart("hang", 1, outside=True)])
+def test_ready_to_stopping_on_a_hang_from_outside_counts_no_failure(event: Any) -> None:
+    """A process found stopped by a signal (SIGSTOP) did not fail: killed and relaunched at once, never toward
+    the backoff, with one request in flight or several."""
+    for in_flight in (0, 1, 3):
+        state, c, effects = row(S.READY, event, C._replace(in_flight=in_flight, failures=2, ready_at=NOW - 1))
+        assert state is S.STOPPING and c.failures == 2 and Terminate(graceful=False) in effects
+
+
 def test_want_in_backoff_waits_for_a_relaunch_due_soon() -> None:
     relaunching = C._replace(auto=True, died=True, failures=2, backoff_until=NOW + 2.0)
     state, c, effects = row(S.BACKOFF, Want(count=True), relaunching)

@@ -182,6 +182,29 @@ async def test_a_lone_request_in_a_process_stopped_from_outside_is_retried_and_s
         assert "no heartbeat" in (r.backend("echo").last_error or "")
 
 
+async def test_a_model_stopped_from_outside_again_and_again_never_backs_off(tmp_path: Path) -> None:
+    """The 30-minute soak's 503s: SIGSTOPs from outside counted toward the backoff like crashes. Each stopped
+    process is replaced at once and no failure counted, past max_retries too: every request is served."""
+    config = {**QUICK, "max_retries": 1, "backoff_base_s": 30.0}
+    async with fake_router(tmp_path, {"echo": config}) as r:
+        stopped: dict[str, int] = {}
+
+        async def stopped_under_each_first_try(call: Call) -> FakeReply:
+            assert call.proc is not None
+            call.beat()
+            if call.text not in stopped:  # SIGSTOP: no heartbeat, no answer, no probe answers, state T
+                stopped[call.text] = call.proc.pid
+                call.proc.sigstopped, call.proc.healthy = True, False
+                await asyncio.sleep(BOUND_S)
+            return await echo(call)
+
+        r.upstream.handler = stopped_under_each_first_try
+        for n in range(4):  # each on the process that served the one before, stopped under it in turn
+            reply = await asyncio.wait_for(r.post("/v1/chat/completions", chat("echo", f"innocent {n}")), BOUND_S)
+            assert reply.status == 200 and reply.json()["pid"] != stopped[f"innocent {n}"], reply.body
+        assert r.backend("echo").failures == 0 and r.backend("echo").restarts >= 4
+
+
 async def _unload(r: FakeRouter) -> int:
     return (await r.post("/api/models/echo/unload")).status
 
