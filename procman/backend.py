@@ -391,6 +391,11 @@ class Backend:
             return
         await self._ask(r.Replace(spec, rolling, "manual" if spec == self.spec else "reload"))
 
+    @property
+    def replacing(self) -> bool:
+        """A replacement's process exists beside the current one: a rolling start, or a replaced one draining."""
+        return not self._alone()
+
     def seats(self) -> list[r.Seat]:
         """The processes of a replacement that hold room beside the current one (the manager counts them)."""
         roll = self._roll
@@ -488,11 +493,12 @@ class Backend:
             self._handling = False
 
     def _handle(self, event: m.Event, reply: asyncio.Future[Any] | None, decision: m.Decision | None = None) -> None:
-        """The owner's step for one event (``decision``: the shortcut's, already taken for this very state):
-        the event's own bookkeeping, the decision and its effects, the caller's answer, ``Runtime.changed``."""
+        """The owner's step for one event (``decision``: the shortcut's, already taken for this very state, after
+        its own death check): the event's own bookkeeping, the decision and its effects, the caller's answer,
+        ``Runtime.changed``."""
         if reply is not None and reply.done():
             return  # the caller went away before its turn
-        before = _BEFORE.get(type(event))
+        before = (_BEFORE if decision is None else _BEFORE_DECIDED).get(type(event))
         if before is not None:
             event = before(self, event)
         self._apply(event, reply, decision)
@@ -1022,6 +1028,8 @@ _BEFORE: dict[type, Callable[[Backend, Any], m.Event]] = {
     m.Done: Backend._done,
     m.Started: Backend._landed,
 }
+#: The same for an event the shortcut decided already: it made a Want's death check itself (``heard_first``).
+_BEFORE_DECIDED = {kind: hook for kind, hook in _BEFORE.items() if kind is not m.Want}
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -102,7 +102,9 @@ class ProcessManager:
         #: names of the nodes a backend must not start on now (its device is unhealthy there), by backend name
         self.avoid: Callable[[str], Collection[str]] | None = None
         self._placed: dict[str, Node] = {}  # key -> the node its room is held on (an engine with nodes)
-        self._seated: set[str] = set()  # keys of replacements' processes holding room at the last change
+        #: per backend with a replacement under way: the keys its replacement's processes held room under at its
+        #: last change (seats change only in their backend's own turn, which ends in ``_changed``)
+        self._seated: dict[Backend, set[str]] = {}
         self._choice: dict[str, Node] = {}  # key -> the node the last placement decision named
         self.scopes = scopes
         self.claims = claims
@@ -442,12 +444,17 @@ class ProcessManager:
                 self._holding.add(backend.name)
                 if self.spares is not None:
                     self.spares.nudge()  # maybe no model is stopped any more: its spare goes
-        if self._placed:  # the room of a replacement's process that is gone (seen holding it before)
-            seats = {seat.key for seat, _ in self._seats()}
-            for key in self._seated - seats:
-                self._placed.pop(key, None)
-            self._seated = seats
+        if backend.replacing or backend in self._seated:  # not on a request's admit or done otherwise
+            self._reseated(backend)
         self._signal()
+
+    def _reseated(self, backend: Backend) -> None:
+        """Forget where the room of ``backend``'s replacement processes that are gone was held."""
+        seats = {seat.key for seat in backend.seats()}
+        for key in self._seated.pop(backend, set()) - seats:
+            self._placed.pop(key, None)
+        if seats:
+            self._seated[backend] = seats
 
     def _signal(self) -> None:
         if self._room_waiters:

@@ -330,7 +330,8 @@ class NodeSpawner(FakeSpawner):
         return await super().spawn(argv, env, cwd, on_line)
 
 
-async def test_on_a_cluster_the_new_process_takes_the_name_and_its_node(tmp_path: Path) -> None:
+async def test_on_a_cluster_the_new_process_takes_the_name_and_its_node(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     nodes = [Node("n1", "one", "127.0.0.1"), Node("n2", "two", "127.0.0.1")]
 
     async def cluster() -> list[Node]:
@@ -350,6 +351,12 @@ async def test_on_a_cluster_the_new_process_takes_the_name_and_its_node(tmp_path
         await held.release()
         await settle()
         assert list(h.manager._placed) == ["a"] and len(spawner.alive()) == 1  # the old one's room is gone
+        asked: list[int] = []
+        monkeypatch.setattr(a, "seats", lambda: asked.append(1) or [])
+        for _ in range(3):
+            async with a.request():
+                pass
+        assert asked == [] and h.manager._seated == {}  # no replacement: a request's admit and done scan nothing
     finally:
         await h.close()
     assert spawner.alive() == []

@@ -205,6 +205,25 @@ async def test_a_model_stopped_from_outside_again_and_again_never_backs_off(tmp_
         assert r.backend("echo").failures == 0 and r.backend("echo").restarts >= 4
 
 
+async def test_only_requests_watched_by_heartbeats_are_listed_among_their_process_s_peers(tmp_path: Path) -> None:
+    """The peers of a death are counted by heartbeats: a model without them (health probes off) lists nothing."""
+    async with fake_router(tmp_path, {"echo": QUICK, "plain": {**QUICK, "health_interval_s": 0}}) as r:
+        listed: dict[str, int] = {}
+
+        def mine(text: str) -> int:  # (other tests' dead requests may linger in the module's table)
+            return sum(1 for peers in recovery._ON.values() for job in peers if text.encode() in job.body)
+
+        async def server(call: Call) -> FakeReply:
+            listed[call.text] = mine(call.text)
+            return await echo(call)
+
+        r.upstream.handler = server
+        for model in ("echo", "plain"):
+            reply = await r.post("/v1/chat/completions", chat(model, f"peers of {model}"))
+            assert reply.status == 200, reply.body
+        assert listed == {"peers of echo": 1, "peers of plain": 0} and mine("peers of") == 0
+
+
 async def _unload(r: FakeRouter) -> int:
     return (await r.post("/api/models/echo/unload")).status
 

@@ -99,8 +99,9 @@ RESUMERS: dict[str, Resumer] = {"chat": OPENAI_RESUMER, "completion": OPENAI_RES
                                "messages": ANTHROPIC_RESUMER}
 
 
-#: The requests each process (by its lease's ``exited`` future) has in flight (:func:`_attempt`); one that died
-#: there stays listed ``PEERS_LINGER_S`` for its peers' count (:func:`_begun_at_death`).
+#: The requests each process (by its lease's ``exited`` future) has in flight (:func:`_attempt`), for the models
+#: whose processes send heartbeats (an attempt with a watch); one that died there stays listed
+#: ``PEERS_LINGER_S`` for its peers' count (:func:`_begun_at_death`).
 _ON: dict[asyncio.Future[Any], set[Job]] = {}
 PEERS_LINGER_S = 30.0
 
@@ -186,6 +187,9 @@ def _cut_short(job: Job, exc: BackendUnavailable) -> bool:
 
 async def _attempt(job: Job, lease: Lease) -> int | None:
     """One exchange with one process: the status relayed, or None to go again on a fresh process."""
+    job.watch = _watch(job)
+    if job.watch is None:  # no heartbeats: a death's count is the backend's in-flight count, no peers are read
+        return await _exchange(job, lease)
     key = lease.exited  # the process itself (a generation number is only unique within one backend's life)
     _ON.setdefault(key, set()).add(job)
     died = False
@@ -215,8 +219,8 @@ def _begun_at_death(job: Job, lease: Lease, in_flight: int) -> int:
     """How many of the requests in flight in the process of ``lease`` when it died it had begun on (a
     heartbeat came, or the answer): the rest never reached the app, so they cannot have caused it. Those that
     died there count for ``PEERS_LINGER_S`` after (the backend's count drops as each leaves). ``in_flight`` as
-    it is where the model's processes send no heartbeats."""
-    if not job.model.heard:
+    it is where the model's processes send no heartbeats (or this attempt had no watch: its peers are not listed)."""
+    if not job.model.heard or job.watch is None:
         return in_flight
     return max(1, sum(1 for peer in _ON.get(lease.exited, ()) if _begun(peer)))
 
@@ -228,7 +232,6 @@ def _begun(job: Job) -> bool:
 async def _exchange(job: Job, lease: Lease) -> int | None:
     spec = job.model.spec
     try:
-        job.watch = _watch(job)
         resp = await job.pool.request(lease.address, job.req.method, spec.path_prefix + job.req.path,
                                       job.req.headers, job.body, spec.request_timeout_s, job.watch)
     except UpstreamHung as exc:  # its heartbeats stopped, or say its generation stands still
