@@ -225,7 +225,7 @@ class Backend:
         known = self._deaths.get(generation)
         running = self._running
         if known is None and running is not None and generation == self.generation and running.exited.done():
-            known = self._exit_death(running)
+            known = process.exit_death(running, self.logs, self.spec, self.counters.in_flight)
         return known
 
     def stopped(self, generation: int) -> bool:
@@ -962,13 +962,8 @@ class Backend:
             hang = deaths.of_hang(self.counters.in_flight, stopped)
             self._post(m.Hung(generation, blamed=hang.blamed, outside=stopped))
 
-    def _exit_death(self, running: process.Running) -> Death:
-        """The exit of ``running``, classified by :func:`procman.deaths.of_exit` (its code, its last lines)."""
-        tail = self.logs.since(running.log_mark, process.CAUSE_LINES)
-        return deaths.of_exit(running.exit_code, tail, self.spec.fatal_patterns, self.counters.in_flight)
-
     def _exited(self, running: process.Running, generation: int) -> m.Exited:
-        death = self._exit_death(running)
+        death = process.exit_death(running, self.logs, self.spec, self.counters.in_flight)
         cause: Literal["crash", "fatal"] = "fatal" if death.cause == "fatal" else "crash"
         return m.Exited(generation, cause, death.blamed, lost=process.node_lost(running))
 

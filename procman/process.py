@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from procman import deaths
 from procman.address import Address, is_address_clash
+from procman.deaths import Death
 from procman.errors import BackendUnavailable, StartFailed, StartTimeout
 from procman.logbuffer import LogBuffer
 from procman.prober import Health, health_of
@@ -33,6 +35,7 @@ __all__ = [
     "Running",
     "TOKEN_ENV",
     "child_command",
+    "exit_death",
     "exit_words",
     "kill",
     "kill_now",
@@ -51,7 +54,7 @@ POLL_MAX_S = 0.5  # ...up to this
 CLASH_RETRIES = 5  # ports tried when the child reports its port taken
 KILL_REAP_S = 5.0  # how long a SIGKILLed process may take to be reaped
 TAIL_LINES = 20  # log lines quoted in a failed start
-CAUSE_LINES = 20  # last log lines an exit is classified by (procman.deaths.of_exit)
+CAUSE_LINES = 20  # last log lines an exit is classified by (exit_death)
 #: The environment variable that hands a process on a node its bearer token (``modelserver`` reads the same name).
 TOKEN_ENV = "OVROUTER_MODEL_TOKEN"
 #: A process whose spec ``announces_ready`` gets a fresh token in this variable and prints ``READY_PREFIX + token``
@@ -290,6 +293,13 @@ def stopped(running: Running) -> bool:
     its own doing. A handle tells (``stopped()``); one that cannot (a process on a node) never is."""
     check = getattr(running.handle, "stopped", None)
     return callable(check) and check() is True
+
+
+def exit_death(running: Running, logs: LogBuffer, spec: BackendSpec, in_flight: int) -> Death:
+    """The exit of ``running`` (``in_flight`` requests in it), classified by :func:`procman.deaths.of_exit` from
+    its code and the last ``CAUSE_LINES`` lines it wrote."""
+    tail = logs.since(running.log_mark, CAUSE_LINES)
+    return deaths.of_exit(running.exit_code, tail, spec.fatal_patterns, in_flight)
 
 
 def node_lost(running: Running) -> bool:

@@ -221,10 +221,10 @@ async def retire(rt: Runtime[Any], spec: Callable[[], BackendSpec], retiree: Ret
             task.cancel()
     in_flight = retiree.in_flight
     if watch.done() and not watch.cancelled() and watch.result() == "crash":
-        tail = logs.since(running.log_mark, process.CAUSE_LINES)
+        death = process.exit_death(running, logs, spec(), in_flight)  # (by its own lines, before our note)
         process.kill_now(running)  # whatever it left in its group
         logs.note(f"pid={running.pid} exited with code {running.exit_code} (replaced, draining)")
-        return deaths.of_exit(running.exit_code, tail, spec().fatal_patterns, in_flight)
+        return death
     hung = watch.done() and not watch.cancelled()
     if hung or retiree.condemned.is_set():
         reason = "hang" if hung else retiree.reason
