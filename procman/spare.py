@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from procman.placement import Holder
 from procman.process import READY_PREFIX
+from procman.procfs import process_memory_bytes
 from procman.spawner import LineCallback, ProcessHandle, SubprocessHandle, SubprocessSpawner
 from procman.spec import FrozenEnv
 
@@ -321,7 +322,7 @@ class SparePool:
         if text == SPARE_READY and not spare.ready:
             spare.ready = True
             self.deaths = 0
-            spare.size_bytes = self._measured = resident_bytes(spare.handle.pid) or spare.size_bytes
+            spare.size_bytes = self._measured = process_memory_bytes(spare.handle.pid) or spare.size_bytes
             log.info("%s is ready (%.0f MiB resident)", spare.name, spare.size_bytes / (1 << 20))
             self._changed()
             return
@@ -408,15 +409,3 @@ class SparePool:
 
 def _comparable(env: Mapping[str, str], spec: SpareSpec) -> dict[str, str]:
     return {key: value for key, value in env.items() if key not in spec.late_env}
-
-
-def resident_bytes(pid: int) -> int | None:
-    """``VmRSS`` of ``pid`` (Linux), or None."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -25,10 +25,10 @@ from types import FrameType
 from typing import Any
 
 from procman import Restarted, Started, State, Stopped, Transition
+from procman.procfs import process_memory_bytes
 from router.api.activity import Activity
 from router.api.events import EventBus
 from router.metrics import BACKEND_GAUGES, Metrics
-from router.state.budget import process_memory_bytes
 from router.state.registry import Registry
 
 __all__ = ["Console"]

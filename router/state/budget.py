@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from procman.placement import format_bytes
+from procman.procfs import proc_bytes
 
 __all__ = [
     "AUTO_CPU_FRACTION",
@@ -30,8 +31,6 @@ __all__ = [
     "parse_budget",
     "parse_size",
     "physical_memory_bytes",
-    "proc_bytes",
-    "process_memory_bytes",
     "resolve_budget",
 ]
 
@@ -104,22 +103,6 @@ def budget_device(device: str) -> str:
         if part.startswith("GPU"):
             return "GPU.0" if part == "GPU" else part
     return "NPU" if "NPU" in device.upper() else "CPU"
-
-
-def proc_bytes(path: Path, key: str) -> int | None:
-    """The ``key:  N kB`` line of a ``/proc`` status file in bytes; None off Linux, once it is gone, or if absent."""
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def process_memory_bytes(pid: int | None, key: str = "VmRSS") -> int | None:
-    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of process ``pid`` in bytes; None when unknown."""
-    return proc_bytes(Path(f"/proc/{pid}/status"), key) if pid else None
 
 
 def physical_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

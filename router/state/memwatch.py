@@ -22,7 +22,8 @@ from typing import Any
 
 from modelserver.spec import ModelSpec
 from procman import Backend, State
-from router.state.budget import budget_device, physical_memory_bytes, process_memory_bytes, resolve_budget
+from procman.procfs import process_memory_bytes
+from router.state.budget import budget_device, physical_memory_bytes, resolve_budget
 from router.state.sizes import SizeStore
 
 __all__ = ["SAMPLE_INTERVAL_S", "MemoryWatch", "budgets_now", "peak_rss_of"]
