@@ -152,13 +152,13 @@ class SerialPump:
         self._inbox.put(None)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._halted = True
-        self._inbox.put(None)
+        """:meth:`halt`, then wait for the thread to end (``timeout_s`` at most; never from the thread itself)."""
+        self.halt()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
     def halt(self) -> None:
-        """Never touch the pipeline again (a fatal device error)."""
+        """Never touch the pipeline again (a fatal device error): the requests still waiting get an error."""
         self._halted = True
         self._inbox.put(None)
 
