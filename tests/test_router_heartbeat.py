@@ -35,8 +35,9 @@ def test_the_silence_a_watch_allows_is_the_silence_the_probes_need() -> None:
 
 def test_a_watch_is_armed_by_the_first_heartbeat_then_silence_is_a_hang() -> None:
     watch = Watch(silent_s=10, stall_s=60, beat_s=1)
-    assert watch.expired(1000.0) is None  # a server that sends no heartbeat is never judged by them
+    assert watch.expired(1000.0) is None and not watch.armed  # a server that sends no heartbeat is never judged
     watch.beat(0.0, None)
+    assert watch.armed
     assert watch.expired(9.9) is None
     verdict = watch.expired(10.1)
     assert verdict is not None and verdict[0] == "hang"

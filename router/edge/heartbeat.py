@@ -48,6 +48,11 @@ class Watch:
         silent_s = failures * timeout_s + max(failures - 1, 0) * interval_s
         return cls(silent_s, stall_s, beat_s=min(MAX_BEAT_S, silent_s / 8))
 
+    @property
+    def armed(self) -> bool:
+        """A heartbeat came: the process began on the request, and its silence now means something."""
+        return self.last_beat is not None
+
     def header(self) -> tuple[str, str]:
         return ASK_HEADER, f"{self.beat_s:g}"
 

@@ -140,6 +140,11 @@ class Job:
         return self.model.spec.name
 
     @property
+    def beaten(self) -> bool:
+        """A heartbeat came in this attempt (its watch is armed): the process began on the request."""
+        return self.watch is not None and self.watch.armed
+
+    @property
     def framing(self) -> Framing:
         return framing_of(self.req.path) or OPENAI
 
@@ -226,7 +231,7 @@ def _begun_at_death(job: Job, lease: Lease, in_flight: int) -> int:
 
 
 def _begun(job: Job) -> bool:
-    return job.head_sent or (job.watch is not None and job.watch.last_beat is not None)
+    return job.head_sent or job.beaten
 
 
 async def _exchange(job: Job, lease: Lease) -> int | None:
@@ -242,7 +247,7 @@ async def _exchange(job: Job, lease: Lease) -> int | None:
             f"model {spec.name!r} sent no response within request_timeout_s={spec.request_timeout_s:g}s"))
     except UpstreamError as exc:
         return await _died(job, lease, None, str(exc))
-    if job.watch is not None and job.watch.last_beat is not None:
+    if job.beaten:
         job.model.heard = True  # this model's processes send heartbeats: silence from one now means something
     try:
         if resp.header(b"x-backend-fatal") == b"1":
@@ -417,10 +422,9 @@ def _in_its_turn(job: Job) -> bool:
 def _unheard(job: Job) -> bool:
     """Whether the process died before it began on this request: no heartbeat came, from a model whose
     processes send them (the first one goes before the request's body is read)."""
-    watch = job.watch
-    if watch is None or job.head_sent:
+    if job.watch is None or job.head_sent:
         return False
-    if watch.last_beat is not None:
+    if job.beaten:
         job.model.heard = True
         return False
     return job.model.heard
