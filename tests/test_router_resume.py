@@ -11,6 +11,7 @@ import httpx
 from modelserver.app import build_app
 from modelserver.engines.fake import FakeTextGenerator
 from modelserver.spec import build_model_spec
+from router.path.framing import ANTHROPIC, OPENAI, framing_of, resumed_framing
 from router.path.resume import Splice, StreamLog, continuation, events, fatal_event, plan, progress
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta"
@@ -210,3 +211,13 @@ async def test_the_seam_of_a_completion_is_exact_where_a_stop_string_begins() ->
                            (["ta gamma"], "naïve über 日本語 😀 alpha be")):
         whole, texts = await stitched_at_every_cut({**COMPLETION, "stop": stop}, "/v1/completions")
         assert texts == {completion_text(whole)} == {expected}, stop
+
+
+def test_a_resumed_stream_is_framed_by_its_protocol_and_a_responses_error_is_its_own() -> None:
+    assert resumed_framing("/v1/chat/completions?x=1") is OPENAI and resumed_framing("/v1/messages") is ANTHROPIC
+    responses = resumed_framing("/v1/responses")
+    assert framing_of("/v1/responses") is None  # relayed plainly, its bytes pass through
+    failed = b'event: response.failed\ndata: {"type":"response.failed","response":{"error":{"code":"engine_fatal"}}}'
+    chunk = b'event: response.output_text.delta\ndata: {"delta":"a"}\n\n' + failed
+    assert fatal_event(chunk) and chunk.find(responses.error_starts) == chunk.index(b"event: response.failed")
+    assert responses.error("cut", "backend_error") == OPENAI.error("cut", "backend_error")  # the router's own

@@ -7,6 +7,11 @@ looks into (its bytes pass through unchanged)::
     OpenAI        /v1/chat/completions, ...        data: [DONE]            data: {"error": ...}     SSE comments
     Anthropic     /v1/messages                     event: message_stop     event: error             ping events
     Ollama        /ollama/api/chat, /generate      a "done":true line      {"error": "..."} line    nothing (NDJSON)
+    Responses     /v1/responses (resumed only)     (OpenAI's)              event: response.failed   (OpenAI's)
+
+A Responses stream is looked into only by the recovery that resumes it (:func:`resumed_framing`): the
+router writes OpenAI's events into it (:class:`router.api.responses.ResponsesStream` turns an error event
+into ``response.failed``), while the model server's own error event starts ``event: response.failed``.
 
 The closing event is held back until the upstream ends cleanly (:func:`held_end`): a
 server that sends it and then breaks the connection must not have its client stop there
@@ -16,13 +21,15 @@ before the router's error event. A stream cut short ends with the protocol's err
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.edge.errors import anthropic_error, error_body
 
-__all__ = ["ANTHROPIC", "NDJSON", "OPENAI", "Framing", "framing_of", "held_end", "sse_comment"]
+__all__ = ["ANTHROPIC", "NDJSON", "OPENAI", "RESPONSES", "Framing", "framing_of", "held_end", "resumed_framing",
+           "sse_comment"]
 
 
 def sse_comment(text: str) -> bytes:
@@ -80,6 +87,8 @@ ANTHROPIC = Framing("anthropic", (b"event: message_stop",), b"event: error", _an
 #: starts, so its tick is empty and /ollama paths get no cold-start ticker (router.path.loading).
 NDJSON = Framing("ollama", (b'"done":true', b'{"error"'), b'{"error"', _ndjson_error, lambda text: b"",
                  b"application/x-ndjson", b"\n", b"\n")
+#: A Responses stream as the recovery relays it: OpenAI's framing, but the model server's errors are its own.
+RESPONSES = dataclasses.replace(OPENAI, name="responses", error_starts=b"event: response.failed")
 #: Path -> the framing of its streams (a path's query string aside).
 FRAMINGS: dict[str, Framing] = {
     "/v1/chat/completions": OPENAI,
@@ -90,8 +99,18 @@ FRAMINGS: dict[str, Framing] = {
 }
 
 
+#: Streams looked into only when they are resumed (else their bytes pass through): path -> framing.
+RESUMED: dict[str, Framing] = {"/v1/responses": RESPONSES}
+
+
 def framing_of(path: str) -> Framing | None:
     return FRAMINGS.get(path.partition("?")[0])
+
+
+def resumed_framing(path: str) -> Framing:
+    """The framing of a stream of ``path`` that the router relays event by event to resume it (OpenAI's else)."""
+    path = path.partition("?")[0]
+    return FRAMINGS.get(path) or RESUMED.get(path) or OPENAI
 
 
 def held_end(whole: bytes, framing: Framing = OPENAI) -> int:

@@ -71,7 +71,7 @@ from router.edge.heartbeat import Watch
 from router.edge.httpclient import UpstreamError, UpstreamHung, UpstreamTimeout
 from router.edge.upstream import Upstream, UpstreamReply
 from router.path.blame import suspect, verdict
-from router.path.framing import OPENAI, Framing, framing_of
+from router.path.framing import Framing, framing_of, resumed_framing
 from router.path.relay import DEATH_GRACE_S, RESPONSE_DROP, Relayed, cut_reason, relay
 from router.path.request import ProxyRequest
 from router.path.resume import OPENAI_RESUMER, Plan, Resumer, Streamed, StreamLog, fatal_event, finished, plan
@@ -146,7 +146,7 @@ class Job:
 
     @property
     def framing(self) -> Framing:
-        return framing_of(self.req.path) or OPENAI
+        return resumed_framing(self.req.path)
 
     def budget(self, shared: bool) -> int:
         """Tries a request has: one retry before anything is sent; ``max_resumes`` once a stream runs; and
@@ -293,7 +293,6 @@ async def _relay_resumable(job: Job, lease: Lease, resp: UpstreamReply) -> int |
         async for chunk in resp.iter_chunks(stall_s):
             if fatal_event(chunk):
                 cut = chunk.find(job.framing.error_starts)
-                cut = cut if cut >= 0 else chunk.find(b"event: response.failed")
                 await _relay_chunk(job, chunk[:cut] if cut > 0 else b"")
                 return await _died(job, lease, "fatal", "a fatal engine error mid-stream")
             await _relay_chunk(job, chunk)
