@@ -163,11 +163,6 @@ class Backend:
         probes (readiness, then the health watch): read it instead of asking the process again."""
         return self._running.health if self._running is not None else None
 
-    @property
-    def load_began(self) -> float | None:
-        """When (runtime clock) the start in progress began; None unless STARTING."""
-        return self._start_began if self.state is State.STARTING else None
-
     def loading_for_s(self) -> float | None:
         """Seconds since the start in progress began (runtime clock); None unless STARTING."""
         return self._rt.clock() - self._start_began if self.state is State.STARTING else None
@@ -207,7 +202,7 @@ class Backend:
     def forgive(self, generations: Iterable[int]) -> None:
         """The deaths of ``generations`` were a poison request's doing (the router named it): those counted as
         failures come off the count, so the request does not push the model into backoff."""
-        self._post(m.Forgive(tuple(sorted(set(generations)))))
+        self._post(m.Forgive(tuple(generations)))  # (deaths.forgivable takes each once, in order)
 
     def keep_alive(self, keep_s: float | None) -> None:
         """How long the process stays loaded once idle (a client's ``keep_alive``): 0 stops it as soon as

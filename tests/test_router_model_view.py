@@ -1,6 +1,6 @@
 """One model view: procman's probes are the only ``/health`` requests a model server gets, and the
 router's observers (memory watch, console, ``/metrics``, model status, loading tickers) read what
-those probes kept (``Backend.last_health``, ``last_load_s``, ``load_began``, ``ready()``)."""
+those probes kept (``Backend.last_health``, ``last_load_s``, ``loading_for_s()``, ``ready()``)."""
 
 from __future__ import annotations
 
@@ -110,13 +110,14 @@ async def test_load_time_progress_and_readiness_come_from_procman(tmp_path: Path
         r.harness.spawner.on_spawn = lambda proc: setattr(proc, "healthy", False)
         starting = asyncio.ensure_future(backend.ensure_ready())
         await clock.advance(0.1)
-        assert backend.state is State.STARTING and backend.load_began is not None
+        loading_s = backend.loading_for_s()
+        assert backend.state is State.STARTING and loading_s is not None and 0.0 < loading_s <= 0.11
         ready = backend.ready()
         assert not ready.done() and backend.last_load_s is None
         r.harness.spawner.last.healthy = True
         await clock.advance(3.0)
         await starting
-        assert ready.done() and backend.ready().done() and backend.load_began is None
+        assert ready.done() and backend.ready().done() and backend.loading_for_s() is None
         assert backend.last_load_s is not None and 0.1 <= backend.last_load_s <= 3.1  # procman's (fake) seconds
         async with r.client() as client:
             rows = (await client.get("/api/models")).json()["models"]
