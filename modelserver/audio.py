@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import soundfile
-import soxr
 
 from modelserver.errors import RequestError
 
@@ -56,6 +54,9 @@ def decode_audio(data: bytes, rate: int = WHISPER_RATE) -> DecodedAudio:
     """``data`` (any format libsndfile reads) as float32 mono samples at ``rate``."""
     if not data:
         raise RequestError("the uploaded audio file is empty", param="file")
+    import soundfile  # imported at the first audio file (libsndfile, soxr: ~1 MiB a text model never needs)
+    import soxr
+
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             samples = f.read(dtype="float32", always_2d=True)
@@ -82,6 +83,9 @@ def encode_audio(samples: np.ndarray, rate: int, response_format: str) -> tuple[
         raise RequestError(
             f"response_format {response_format!r} is not supported (use one of: {known})", param="response_format"
         )
+    import soundfile
+    import soxr
+
     container, subtype, media_type = SPEECH_FORMATS[response_format]
     samples = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
     if response_format == "opus" and rate not in _OPUS_RATES:

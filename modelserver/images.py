@@ -13,7 +13,6 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from modelserver.errors import RequestError
 
@@ -42,6 +41,8 @@ def decode_data_url(url: str, param: str) -> np.ndarray:
 
 
 def _decode_image(raw: bytes, param: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError  # imported at the first image: ~2 MiB a text model never needs
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

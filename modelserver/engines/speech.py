@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import openvino as ov
 import openvino_genai as ov_genai
+import soundfile  # noqa: F401 - modelserver.audio encodes with them at the first answer: imported with the engine
+import soxr  # noqa: F401
 
 from modelserver.engines.media_base import SerialWorker, SpeechRequest, SpeechResult
 from modelserver.engines.ov_options import one_line, ov_properties

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import openvino_genai as ov_genai
+import soundfile  # noqa: F401 - modelserver.audio decodes with them at the first upload: imported with the engine
+import soxr  # noqa: F401
 
 from modelserver.engines.media_base import (
     Segment,

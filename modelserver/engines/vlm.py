@@ -20,6 +20,7 @@ from typing import Any
 
 import openvino as ov
 import openvino_genai as ov_genai
+import PIL.Image  # noqa: F401 - modelserver.images decodes with it at the first image: imported with the engine
 
 from modelserver.engines.base import FinishReason, GenerationRequest
 from modelserver.engines.context import PromptCounter, configured_context
