@@ -9,13 +9,16 @@ from modelserver.engines.ov_options import TOKENIZER_XMLS, ov_properties, prepar
 from modelserver.spec import build_model_spec
 
 
-def test_llm_on_cpu_gets_no_cache_dir_it_could_never_import(tmp_path: Path) -> None:
-    spec = build_model_spec("m", {"task": "llm", "path": "x.gguf", "cache_dir": str(tmp_path / "c")})
-    assert "CACHE_DIR" not in ov_properties(spec)
+def test_llm_and_transcription_on_cpu_get_no_cache_dir_they_could_never_import(tmp_path: Path) -> None:
+    for task in ("llm", "transcription"):
+        spec = build_model_spec("m", {"task": task, "path": "x.gguf", "cache_dir": str(tmp_path / "c")})
+        assert "CACHE_DIR" not in ov_properties(spec)
 
 
-def test_embeddings_on_cpu_and_llm_on_gpu_get_the_cache_dir(tmp_path: Path) -> None:
-    for raw in ({"task": "embeddings"}, {"task": "llm", "device": "GPU.0"}):
+def test_other_kinds_on_cpu_and_llm_on_gpu_get_the_cache_dir(tmp_path: Path) -> None:
+    kinds = ({"task": "embeddings"}, {"task": "rerank"}, {"task": "speech"}, {"task": "vlm"},
+             {"task": "llm", "device": "GPU.0"}, {"task": "transcription", "device": "GPU"})
+    for raw in kinds:
         spec = build_model_spec("m", {**raw, "path": "x", "cache_dir": str(tmp_path / "c")})
         assert ov_properties(spec)["CACHE_DIR"] == str(tmp_path / "c")
 

@@ -94,16 +94,34 @@ def _log_precision(device: str, properties: dict[str, Any]) -> None:
     log.info("inference precision on %s: %s (device default)", device, name)
 
 
+#: Tasks whose pipeline on CPU writes a blob that openvino 2026.4's CPU plugin cannot import (see _cache_imports).
+NO_CPU_CACHE = frozenset({"llm", "transcription"})
+
+
 def _cache_imports(spec: ModelSpec) -> bool:
     """Whether a compiled-model cache can be imported again for this pipeline.
 
-    Not for ``llm`` on CPU: its ContinuousBatchingPipeline compiles a PagedAttention model, and
-    openvino 2026.4's CPU plugin cannot import that blob (``Runtime info k_head_size and
-    num_k_heads are required``), so each start recompiled anyway, after hashing the model, and
-    rewrote a ~135 MB blob (~0.5 s of CPU per start for the demo model). An ``ov_config``
-    ``CACHE_DIR`` still wins.
+    Not on CPU for (an ``ov_config`` ``CACHE_DIR`` still wins):
+
+    - ``llm``: its ContinuousBatchingPipeline compiles a PagedAttention model, and openvino
+      2026.4's CPU plugin cannot import that blob (``Runtime info k_head_size and num_k_heads
+      are required``), so each start recompiled anyway, after hashing the model, and rewrote a
+      ~135 MB blob (~0.5 s of CPU per start for the demo model); its first answers' stateful
+      pipeline (``engines/llm_first.py``) takes the cache folder itself;
+    - ``transcription``: the WhisperPipeline's stateful decoder (its cross-attention state read
+      from the encoder's output) fails to import (``Converting input model vector::_M_range_check``,
+      plain ``Core.import_model`` of its exported blob too), so every start rewrote it (113 MiB
+      for whisper tiny.en) while only the encoder's (32 MiB) was imported: measured per load,
+      warm cache against none (medians of 5 fresh processes, ``tools/cache_kinds.py``), 5.5 s
+      against 0.93 s of wall time and 0.57 s against 0.49 s of CPU at load 5, 0.47-0.57 s against
+      0.36-0.53 s and 0.49 s against 0.43-0.45 s of CPU in a second run at load 4: never a gain.
+
+    Where the other kinds stand (the same runs): embeddings and rerank import their one blob
+    (0.25 against 0.32 s and 0.19 against 0.24 s of CPU); speech imports three of its four (the
+    decoder's 0.9 MiB is rewritten; 0.28 against 0.36 s); vlm imports all three with the
+    stateful language model it gets on CPU (``engines/vlm.py`` ``CPU_PROPERTIES``).
     """
-    return not (spec.task == "llm" and spec.device.upper().startswith("CPU"))
+    return not (spec.task in NO_CPU_CACHE and spec.device.upper().startswith("CPU"))
 
 
 def scheduler_config(fields: dict[str, Any]) -> Any:

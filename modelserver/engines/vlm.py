@@ -190,13 +190,25 @@ def _deliverer(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]) ->
     return deliver
 
 
+#: On CPU the VLMPipeline runs its language model as a stateful (SDPA) model rather than through its
+#: continuous-batching adapter (PagedAttention, the CPU default): the engine serves one generation at a
+#: time, so the adapter's batching buys nothing, and openvino 2026.4's CPU plugin cannot import a
+#: PagedAttention blob, so with a cache_dir every start rewrote the language model's blob instead of
+#: importing it (llava-tiny: 0.27 s of CPU per load with the adapter's blob rewritten, 0.21 s with all
+#: three blobs imported; median of 5 fresh processes, load 4, ``tools/cache_kinds.py``).
+CPU_PROPERTIES: dict[str, Any] = {"ATTENTION_BACKEND": "SDPA"}
+
+
 def load(spec: ModelSpec) -> OpenVINOVisionGenerator:
     started = time.monotonic()
     path = ir_folder(spec, ("openvino_language_model.xml", "openvino_tokenizer.xml"))
     option = task_options(spec, OPTIONS).get("context_length")
     context = configured_context(spec.name, context_length(path), option)
+    properties = ov_properties(spec)
+    if spec.device.upper().startswith("CPU"):
+        properties = {**CPU_PROPERTIES, **properties}  # a model's own ov_config wins
     try:
-        pipe = ov_genai.VLMPipeline(str(path), spec.device, **ov_properties(spec))
+        pipe = ov_genai.VLMPipeline(str(path), spec.device, **properties)
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
     return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started, context)
