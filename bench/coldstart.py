@@ -12,7 +12,9 @@ construction and the first token in-process. Repetitions alternate (a)/(b), and 
 twice each round: with a spare interpreter waiting (``router.spare_interpreters: 1``, the
 default: the start takes a process already past its imports) and without (0, set by a reload
 of the same router); every run waits until the spare behind it is ready, so no run shares
-the CPU with a spare's imports.
+the CPU with a spare's imports. The other model kinds whose small models ``models/`` holds get
+one row each, reported without a target (``bench/coldkinds.py``): stopped -> whole first answer
+with a spare waiting and ``cache_dir`` warm, against the kind's bare load + first answer.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench import plots
+from bench import coldkinds, plots
 from bench.common import Context, Section, Table, median, ratio
 from bench.procs import ROOT, die_with_parent, wait_until
 from bench.realmodel import DEMO_GGUF, MODEL, PROMPT, _payload, real_model, require_model, stream_chat
@@ -157,20 +159,46 @@ def _breakdown_rows(cold: dict[str, float], bare: dict[str, float]) -> list[list
     return [[f"slice: {name}", cold.get(name), bare.get(name) or None] for name in SLICES]
 
 
+Samples = dict[str, dict[str, list[float]]]
+
+
+def _other_kinds(ctx: Context, router: Router, kinds: list[coldkinds.Kind], tmp: Path) -> Samples:
+    """Per kind, rounds of: a cold request through the router (a spare waiting), then the bare pipeline."""
+    samples: Samples = {kind.task: {"cold_s": [], "start_s": [], "bare_s": [], "bare_load_s": []} for kind in kinds}
+    for kind in kinds:  # the bare side's blobs, written once (not counted)
+        coldkinds.bare(ctx.python, kind, tmp / "bare-cache" / kind.task)
+    for _ in range(ctx.count(3, 1)):
+        for kind in kinds:
+            _spares_settled(router, 1)
+            samples[kind.task]["cold_s"].append(coldkinds.first_answer(router.url, kind))
+            marks = router.get(f"/upstream/{kind.name}/health").get("startup") or {}
+            if isinstance(marks.get("loaded"), float) and isinstance(marks.get("process"), float):
+                samples[kind.task]["start_s"].append(marks["loaded"] - marks["process"])
+            router.unload(kind.name)
+            figures = coldkinds.bare(ctx.python, kind, tmp / "bare-cache" / kind.task)
+            samples[kind.task]["bare_s"].append(figures["load_s"] + figures["first_s"])
+            samples[kind.task]["bare_load_s"].append(figures["load_s"])
+            log.info("cold %s: %.3f s through the router, bare load + first answer %.3f s", kind.task,
+                     samples[kind.task]["cold_s"][-1], samples[kind.task]["bare_s"][-1])
+    return samples
+
+
 def run(ctx: Context) -> Section:
     require_model()
     section = Section("coldstart", "Cold start: request to first token for a stopped model")
     tmp = ctx.section_tmp("coldstart")
     state = ctx.model_state
-    config = router_config(state, {MODEL: real_model(), CB_ONLY: real_model(options={"first_answer": False})})
+    kinds = coldkinds.present()  # the other kinds' rows (no target): their models are in the config too
+    config = router_config(state, {MODEL: real_model(), CB_ONLY: real_model(options={"first_answer": False}),
+                                   **coldkinds.model_entries(kinds)})
     config["router"]["spare_interpreters"] = 1
     router = start_router(ctx.procs, tmp, config, name="coldstart-router")
     warm_started = time.perf_counter()
     router.load(MODEL)  # converts to IR (tokenizer included): the first start ever is not a cold start
     first_load_s = time.perf_counter() - warm_started
     router.unload(MODEL)
-    for name in (MODEL, CB_ONLY):  # the stateful pipeline's compiled blob into cache_dir; CB_ONLY's conversion
-        router.load(name)
+    for name in (MODEL, CB_ONLY, *(kind.name for kind in kinds)):  # compiled blobs into cache_dir (the stateful
+        router.load(name)  # pipeline's and the other kinds'); CB_ONLY's conversion
         router.unload(name)
     cold: list[float] = []
     cold_slices: list[dict[str, float]] = []
@@ -203,6 +231,7 @@ def run(ctx: Context) -> Section:
         log.info("cold %.3f s (spare), %.3f s (spare, continuous batching only), %.3f s (fresh process), "
                  "%.3f s (neither), bare load+first token %.3f s", cold[-1], cb_only[-1], fresh[-1], before[-1],
                  bare[-1]["load_s"] + bare[-1]["first_token_s"])
+    kind_samples = _other_kinds(ctx, router, kinds, tmp)
     base = [b["load_s"] + b["first_token_s"] for b in bare]
     rows: list[list[object]] = [
         ["ovrouter: request -> first token (model stopped, a spare interpreter waiting)", median(cold), min(cold),
@@ -225,6 +254,14 @@ def run(ctx: Context) -> Section:
         section.tables.append(Table(["where the time goes (median s)", "ovrouter cold start", "bare fresh process"],
                                     _breakdown_rows(breakdown, bare_parts),
                                     "ovrouter slices from the model server's /health start marks (critical path)"))
+    if coldkinds.rows(kind_samples):
+        section.tables.append(Table(
+            ["other kind (no target)", "ovrouter median s", "ovrouter min-max s", "of which assigned -> loaded s",
+             "bare load + first answer s", "of which bare load s", "x bare"], coldkinds.rows(kind_samples),
+            "ovrouter: a stopped model's request -> its whole answer through the router, a spare interpreter "
+            "waiting and cache_dir warm (assigned -> loaded: the model server's start marks, the spare's "
+            "assignment to its engine loaded); bare: the kind's pipeline built in a fresh process with the "
+            "properties the model server gives it, then the same request in-process (bench/coldkinds.py)"))
     value = ratio(median(cold), median(base))
     met = value is not None and value <= TARGET_RATIO and median(cold) <= TARGET_S
     section.notes.append(f"Target <= {TARGET_S} s and <= {TARGET_RATIO}x the bare pipeline: "
@@ -246,5 +283,6 @@ def run(ctx: Context) -> Section:
                                        "seconds", bars))
     section.data = {"cold_s": cold, "cb_only_s": cb_only, "fresh_s": fresh, "before_s": before,
                     "cold_slices": cold_slices, "bare": bare,
-                    "first_load_s": first_load_s, "load_average": loads, "spare_rss_mib": spare_rss}
+                    "first_load_s": first_load_s, "load_average": loads, "spare_rss_mib": spare_rss,
+                    "other_kinds": kind_samples}
     return section

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import targets
 from bench.common import Section, Table, fmt
 from bench.deps import Tools
 from bench.procs import ROOT
@@ -132,6 +134,7 @@ def render(machine: dict[str, Any], sections: list[Section], args: str, total_s:
     lines += ["| section | status | time |", "|---|---|---|"]
     lines += [f"| [{s.title}](#{_anchor(s.title)}) | {s.status} | {s.seconds:.0f} s |" for s in sections]
     lines.append("")
+    lines += targets.markdown(targets.gather(sections))
     for section in sections:
         lines += _section_md(section)
     return "\n".join(lines)
@@ -146,7 +149,8 @@ def write(out_dir: Path, machine: dict[str, Any], sections: list[Section], args:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "latest.md"
     path.write_text(render(machine, sections, args, total_s))
-    raw = {"machine": machine, "sections": [_section_json(s) for s in sections]}
+    raw = {"machine": machine, "sections": [_section_json(s) for s in sections],
+           "issue24_targets": [dataclasses.asdict(row) for row in targets.gather(sections)]}
     (out_dir / "latest.json").write_text(json.dumps(raw, indent=1, default=str))
     log.info("wrote %s", path)
     return path
