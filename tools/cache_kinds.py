@@ -20,14 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import coldkinds
+
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = {
-    "embeddings": "models/minilm-ov",
-    "rerank": "models/rerank-tiny-ov",
-    "transcription": "models/whisper-tiny-en-ov",
-    "speech": "models/speecht5-tiny-ov",
-    "vlm": "models/llava-tiny-ov",
-}
+KINDS = {kind.task: f"models/{kind.folder}" for kind in coldkinds.KINDS}
 CHILD = """
 import json, os, sys, time
 from pathlib import Path

@@ -30,15 +30,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench import coldkinds
+
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = {
-    "llm": "models/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "embeddings": "models/minilm-ov",
-    "rerank": "models/rerank-tiny-ov",
-    "transcription": "models/whisper-tiny-en-ov",
-    "speech": "models/speecht5-tiny-ov",
-    "vlm": "models/llava-tiny-ov",
-}
+KINDS = {"llm": "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+         **{kind.task: f"models/{kind.folder}" for kind in coldkinds.KINDS}}
 READY = "ovrouter-ready "
 SPARE_READY = "ovrouter-spare-ready"
 
