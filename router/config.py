@@ -112,7 +112,7 @@ class RouterSettings(_Frozen):
         1, ge=0, le=8, description="model-server interpreters kept started and past their imports (Python, "
         "uvicorn, and the engines of the configured models' tasks: openvino, openvino_genai) while a model is "
         "stopped: the next cold start takes one instead of a fresh process (about 0.6-0.9 s less on a 2-core "
-        "machine) and another starts behind it; each holds about 90-97 MiB (60 MiB with only fake models), "
+        "machine) and another starts behind it; each holds about 89-96 MiB (58 MiB with only fake models), "
         "counted in memory_budget CPU. 0 = none; engine ray: none"
     )
     memory_budget: str | dict[str, int | float | str] | None = Field(
