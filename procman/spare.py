@@ -50,7 +50,7 @@ from procman.procfs import process_memory_bytes
 from procman.spawner import LineCallback, ProcessHandle, SubprocessHandle, SubprocessSpawner
 from procman.spec import FrozenEnv
 
-__all__ = ["READY_PREFIX", "REFILL_AFTER_S", "SPARE_READY", "Spare", "SparePool", "SpareSpec"]
+__all__ = ["REFILL_AFTER_S", "REFILL_DELAY_S", "SPARE_READY", "Spare", "SparePool", "SpareSpec"]
 
 log = logging.getLogger(__name__)
 
