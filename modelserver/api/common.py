@@ -118,25 +118,45 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+#: Work that ends sooner is not watched for its client's disconnect (the watch costs a task and a loop step
+#: a request); longer work is cancelled at most this long after its client left.
+WATCH_AFTER_S = 0.02
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``, cancelling it (and raising :class:`ClientGone`) if the client disconnects first.
 
-    Only for the part of a request before its response starts: once a streamed response
-    runs, Starlette itself listens for the disconnect.
+    ``work`` runs in the request's own task (no task of its own); the watch starts :data:`WATCH_AFTER_S`
+    into it, so a client gone before then is noticed then. Only for the part of a request before its
+    response starts: once a streamed response runs, Starlette itself listens for the disconnect.
     """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone()
-    finally:
-        watcher.cancel()
-        if not task.done():
+    task = asyncio.current_task()
+    assert task is not None
+    watcher: asyncio.Future[None] | None = None
+    state = {"watching": True, "gone": False}
+
+    def on_watched(done: asyncio.Future[None]) -> None:
+        if state["watching"] and not done.cancelled() and done.exception() is None:  # the client left
+            state["gone"] = True
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+
+    def watch() -> None:
+        nonlocal watcher
+        watcher = asyncio.ensure_future(_disconnected(request.receive))
+        watcher.add_done_callback(on_watched)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if state["gone"] and task.uncancel() == 0:  # cancelled by the watch alone, not by a shutdown
+            raise ClientGone() from None
+        raise
+    finally:
+        state["watching"] = False
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 class FastJSONResponse(JSONResponse):

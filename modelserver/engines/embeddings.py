@@ -138,24 +138,46 @@ class OpenVINOEmbedder:
         return EmbeddingResult(vectors=[vector for vector, _ in rows], prompt_tokens=sum(count for _, count in rows))
 
     def _embed_all(self, jobs: list[Job]) -> list[list[Row] | BaseException]:
-        """On the worker: every job's token counts (:mod:`~modelserver.engines.counting`), then one pipeline call
-        for the jobs that fit."""
+        """On the worker: every job's token counts (:mod:`~modelserver.engines.counting`) and one pipeline call.
+
+        With ``max_length`` set the pipeline cuts every input to it, so the call starts at once with every
+        job's texts and the counts are taken while it computes (the vectors of a refused job are dropped);
+        without it only the jobs that fit are embedded, after the count.
+        """
         sizes = [len(texts) for texts, _ in jobs]
         every = [text for texts, _ in jobs for text in texts]
+        if not self._config.max_length:
+            counts, refusals = self._counted(jobs, every, sizes)
+            accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
+            flat = [text for texts in accepted for text in texts]
+            vectors = iter(split(self._pipe.embed_documents(flat) if flat else [], [len(t) for t in accepted]))
+        else:
+            self._pipe.start_embed_documents_async(every)
+            try:
+                counts, refusals = self._counted(jobs, every, sizes)
+            finally:  # the call runs to its end whatever the count did: the pipeline takes one call at a time
+                computed = self._pipe.wait_embed_documents()
+            vectors = iter(split(computed, sizes))
+        answers: list[list[Row] | BaseException] = []
+        for job_counts, refusal in zip(counts, refusals, strict=True):
+            job_vectors = next(vectors) if refusal is None or self._config.max_length else []
+            answers.append(refusal or self._rows(job_vectors, job_counts))
+        return answers
+
+    def _counted(self, jobs: list[Job], every: list[str], sizes: list[int]) -> tuple[list[list[int]],
+                                                                                     list[RequestError | None]]:
+        """Each job's token counts and its 400 (None: it fits, or asked to be cut)."""
         found = self._counter.counts(every)
         found = self._counter.confirmed(every, found, [near_limit(n, self._config.max_length) for n in found])
         counts = split(found, sizes)
-        refusals = [self._refusal(job_counts, truncate) for job_counts, (_, truncate) in zip(counts, jobs, strict=True)]
-        accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
-        flat = [text for texts in accepted for text in texts]
-        vectors = iter(split(self._pipe.embed_documents(flat) if flat else [], [len(texts) for texts in accepted]))
-        return [refusal or self._rows(next(vectors), job_counts) for job_counts, refusal in zip(counts, refusals,
-                                                                                                 strict=True)]
+        return counts, [self._refusal(job_counts, truncate) for job_counts, (_, truncate) in zip(counts, jobs,
+                                                                                                  strict=True)]
 
     def _rows(self, vectors: list[Any], counts: list[int]) -> list[Row]:
-        """Each vector with its token count (capped at ``max_length``: what the pipeline embedded)."""
+        """Each vector (as floats) with its token count (capped at ``max_length``: what the pipeline embedded)."""
         limit = self._config.max_length or None
-        return [(list(map(float, v)), min(n, limit or n)) for v, n in zip(vectors, counts, strict=True)]
+        return [(v if v and type(v[0]) is float else list(map(float, v)), min(n, limit or n))
+                for v, n in zip(vectors, counts, strict=True)]
 
     def _refusal(self, counts: list[int], truncate: bool) -> RequestError | None:
         """The 400 of a job with an input above ``max_length`` (unless it asked to ``truncate``)."""

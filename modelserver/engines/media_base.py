@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,7 +172,12 @@ class VisionGenerator(Engine, Protocol):
 
 
 class SerialWorker:
-    """One thread that runs a model's blocking calls in order, with the counters ``/health`` shows."""
+    """One thread that runs a model's blocking calls in order, with the counters ``/health`` shows.
+
+    :meth:`run` awaits a call; :meth:`call` hands one over with a callback that the event loop runs
+    with its answer: one hop there and one back, no task or wrapped future between them (the
+    batcher's way: at one short text a request, each loop step is a part of the request's cost).
+    """
 
     def __init__(self, name: str) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -191,6 +197,33 @@ class SerialWorker:
             self.running -= 1
         self.completed += 1
         return result
+
+    def call(self, fn: Callable[[], T], done: Callable[[T | BaseException], None]) -> None:
+        """Run ``fn`` on the worker; ``done`` gets its result, or the exception it raised, on the event loop
+        (a closed worker: an exception at once)."""
+        loop = asyncio.get_running_loop()
+
+        def finish(answer: T | BaseException) -> None:
+            self.running -= 1
+            if isinstance(answer, BaseException):
+                self.failed += 1
+            else:
+                self.completed += 1
+            done(answer)
+
+        def work() -> None:
+            try:
+                answer: T | BaseException = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, where its owner gets it
+                answer = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits for the answer
+                loop.call_soon_threadsafe(finish, answer)
+
+        self.running += 1
+        try:
+            self._pool.submit(work)
+        except RuntimeError as exc:  # shut down
+            loop.call_soon(finish, exc)
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """For a call that reports back by itself (a streamer callback); no counters."""

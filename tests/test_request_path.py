@@ -1,0 +1,146 @@
+"""The model server's per-request plumbing that the embeddings and rerank paths were trimmed to: the disconnect
+watch of :func:`until_disconnect` (no task of the work's own, started only for work that lasts), and
+:meth:`SerialWorker.call` (one hop there and back, the answer handed to a callback on the loop).
+
+Waits are on conditions, never on sleeps; nothing here asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from modelserver.api.common import WATCH_AFTER_S, ClientGone, until_disconnect
+from modelserver.engines.media_base import SerialWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Client:
+    """An ASGI ``receive`` whose client is there until ``leave()``; counts how often it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.gone = asyncio.Event()
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> dict[str, Any]:
+        self.asked += 1
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    def request(self) -> Request:
+        scope = {"type": "http", "method": "POST", "path": "/v1/embeddings", "headers": [], "query_string": b""}
+        return Request(scope, self.receive)
+
+
+async def test_work_that_ends_before_the_watch_starts_never_asks_for_a_disconnect() -> None:
+    client = Client()
+
+    async def quick() -> str:
+        return "vectors"
+
+    assert await until_disconnect(client.request(), quick()) == "vectors"
+    await asyncio.sleep(WATCH_AFTER_S * 2)  # past the moment the watch would have started: it was called off
+    assert client.asked == 0
+
+
+async def test_a_client_that_leaves_during_long_work_cancels_it_and_gets_client_gone() -> None:
+    client, started, cancelled = Client(), asyncio.Event(), asyncio.Event()
+
+    async def long() -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    handler = asyncio.ensure_future(until_disconnect(client.request(), long()))
+    await started.wait()
+    client.leave()  # before or after the watch starts: noticed either way
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(handler, 30)
+    assert cancelled.is_set()
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_a_cancelled_request_stays_cancelled_not_client_gone() -> None:
+    client, started = Client(), asyncio.Event()
+
+    async def long() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    handler = asyncio.ensure_future(until_disconnect(client.request(), long()))
+    await started.wait()
+    handler.cancel()  # a server shutting down: not the client's doing
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    assert handler.cancelled()
+
+
+async def test_an_error_of_the_work_reaches_the_caller() -> None:
+    async def failing() -> None:
+        raise ValueError("input[0]: too long")
+
+    with pytest.raises(ValueError, match="too long"):
+        await until_disconnect(Client().request(), failing())
+
+
+async def test_a_disconnect_after_the_answer_changes_nothing_later() -> None:
+    client = Client()
+
+    async def slow_enough() -> str:
+        await asyncio.sleep(WATCH_AFTER_S * 3)  # the watch is running when it ends
+        return "vectors"
+
+    assert await until_disconnect(client.request(), slow_enough()) == "vectors"
+    client.leave()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # a late watch callback would cancel this task here
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def _called(worker: SerialWorker, fn: Any) -> Any:
+    answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    worker.call(fn, answered.set_result)
+    return await answered
+
+
+async def test_serial_worker_call_answers_on_the_loop_in_order_and_counts() -> None:
+    worker = SerialWorker("test-call")
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    try:
+        answers: list[Any] = []
+
+        def record(answer: Any) -> None:
+            threads.append(threading.get_ident())
+            answers.append(answer)
+
+        done = asyncio.Event()
+        for i in range(3):
+            worker.call(lambda i=i: i * 10, record)
+        worker.call(lambda: 1 // 0, lambda answer: (record(answer), done.set()))
+        await asyncio.wait_for(done.wait(), 30)
+        assert answers[:3] == [0, 10, 20] and isinstance(answers[3], ZeroDivisionError)
+        assert set(threads) == {loop_thread}
+        assert worker.stats() == {"running": 0, "completed": 3, "failed": 1}
+    finally:
+        worker.close()
+
+
+async def test_a_closed_worker_answers_with_an_error() -> None:
+    worker = SerialWorker("test-closed")
+    worker.close()
+    answer = await asyncio.wait_for(_called(worker, lambda: "never"), 30)
+    assert isinstance(answer, RuntimeError)
+    assert worker.stats()["failed"] == 1
