@@ -181,7 +181,9 @@ class ModelSpec(_Frozen):
         "", pattern=r"^(/[^/?#]+)*$",
         description="put before the path of every request to a `command`/`url` backend (OVMS: /v3)",
     )
-    env: dict[str, str] = for_launch(default_factory=dict, description="extra environment for the model process")
+    env: dict[str, str] = for_launch(default_factory=dict, description=(
+        "extra environment for the model process (a model server also gets `MALLOC_ARENA_MAX=2` unless the "
+        "router's own environment sets it)"))
     placement: PlacementSpec = for_launch(
         default_factory=PlacementSpec, description="engine ray: the node resources it needs, or its node"
     )
