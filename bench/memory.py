@@ -148,6 +148,12 @@ def _roles(router: Router) -> dict[str, int]:
     return roles
 
 
+def _spare_ready(router: Router) -> bool:
+    """The router lists a spare that printed its ready line (``GET /api/status``)."""
+    spares = (router.get("/api/status").get("spares") or {}).get("spares") or []
+    return any(spare.get("ready") for spare in spares)
+
+
 def _snapshot(roles: dict[str, int]) -> dict[str, Any]:
     kept = [pid for role, pid in roles.items() if role != "spare interpreter"]
     return {"status": {role: pages.status(pid) for role, pid in roles.items()},
@@ -161,9 +167,8 @@ def _alone(ctx: Context, section: Section) -> None:
     router = start_router(ctx.procs, ctx.section_tmp("memory-alone"), router_config(ctx.model_state, models),
                           name="memory-alone-router")
     router.load(REAL_MODEL)
-    wait_until(lambda: "spare interpreter" in _roles(router), 60, "the spare interpreter", 0.1)
+    wait_until(lambda: _spare_ready(router), 60, "a spare interpreter past its imports", 0.1)
     roles = _roles(router)
-    time.sleep(1.0)  # the spare past its imports (its RSS stops growing once it waits on stdin)
     loaded = _snapshot(roles)
     measure(router.url + "/v1/chat/completions", STREAMS, 1, STREAM_TOKENS)
     streamed = _snapshot(roles)
