@@ -81,6 +81,7 @@ def test_the_spare_command_names_the_config_s_engines_and_tasks(tmp_path: Path) 
     assert spare_argv(config)[-2:] == ("--warm", "fake:embeddings,fake:llm")  # sorted, each pair once
     spec = spare_spec(config)
     assert spec is not None and spec.argv == spare_argv(config)
+    assert any(path.endswith("openvino_tokenizers") for path in spec.watch)  # what it warms, changed, makes it stale
     only_external = load_config(write_config(tmp_path, {"ext": {"command": ["true", "${PORT}"]}}))
     assert spare_argv(only_external)[-1] == "--spare"  # nothing to warm: the spare's default
 

@@ -25,6 +25,9 @@ MODELSERVER = (sys.executable, "-m", "modelserver")
 MODELSERVER_ENV = {"MALLOC_ARENA_MAX": "2"}
 #: ``modelserver.spare.SPARE_FLAG`` and ``WARM_FLAG`` (the router imports no more of modelserver than its spec).
 SPARE_FLAG, WARM_FLAG = "--spare", "--warm"
+#: The libraries a spare imports for the engines it warms (``modelserver.spare.LOAD_IMPORTS`` and the engines'
+#: modules): a change on disk makes it stale, as one of OpenVINO's does.
+WARMED_PACKAGES = ("openvino_tokenizers", "tokenizers", "PIL", "soxr")
 
 #: BackendSpec and RestartPolicy fields, filled from the ModelSpec settings tagged ``supervisor``.
 _BACKEND_FIELDS = frozenset(f.name for f in dataclasses.fields(BackendSpec))
@@ -109,7 +112,7 @@ def spare_spec(config: Config) -> SpareSpec | None:
         cwd=str(config.path.parent) if config.path is not None else None,  # backend_spec's cwd
         env=modelserver_env(),  # what backend_spec gives every model server (a spare must match it)
         late_env=frozenset({SPEC_ENV, READY_ENV, TOKEN_ENV}),  # read by the server once assigned
-        watch=(sys.executable, *_package_dirs("openvino", "openvino_genai", "uvicorn", "starlette")),
+        watch=(sys.executable, *_package_dirs("openvino", "openvino_genai", "uvicorn", "starlette", *WARMED_PACKAGES)),
         watch_trees=tuple(_package_dirs("modelserver")),
         device="CPU",
     )
