@@ -27,6 +27,7 @@ from bench.common import Context, Section, Table, pid_alive, rss_mb
 from bench.procs import wait_until
 from bench.realmodel import DEMO_GGUF, measure, real_model
 from bench.routerctl import Router, fake_model, router_config, start_router
+from procman.spawner import WATCHDOG
 
 __all__ = ["run"]
 
@@ -138,12 +139,12 @@ def _roles(router: Router) -> dict[str, int]:
     server = router.pid(REAL_MODEL)
     roles = {"router": router.proc.pid, "model server": server or 0}
     for child in psutil.Process(router.proc.pid).children():
-        command = " ".join(child.cmdline())
+        argv = child.cmdline()
         if child.pid == server:
             continue
-        if "watchdog" in command:
+        if WATCHDOG in argv:
             roles["watchdog"] = child.pid
-        elif "--spare" in command:
+        elif "--spare" in argv:
             roles["spare interpreter"] = child.pid
     return roles
 
@@ -215,8 +216,8 @@ def _verdict(section: Section, streamed: dict[str, Any]) -> None:
     met = kept.mib <= target
     line = (f"Memory target (issue 24): router + watchdog + SmolLM2 model server hold {kept.mib:.0f} MiB after "
             f"{STREAMS} streams of {STREAM_TOKENS} tokens, each page once ({kept.method}; RSS sum "
-            f"{kept.rss_sum:.0f}), {kept.mib / LLAMACPP_MIB:.2f}x llama.cpp's server's recorded "
-            f"{LLAMACPP_MIB:.0f} MiB: "
+            f"{kept.rss_sum:.0f}), {kept.mib / LLAMACPP_MIB:.2f}x llama.cpp's server's "
+            f"{LLAMACPP_MIB:.0f} MiB (recorded, not measured side by side): "
             f"target <= {TARGET_RATIO}x = {target:.0f} MiB {'met' if met else 'MISSED'}. The spare interpreter adds "
             f"{spare.mib - kept.mib:.0f} MiB beside it (`router.spare_interpreters: 0` removes it).")
     section.notes.append(line)
