@@ -20,6 +20,7 @@ import pytest
 
 from modelserver.api.embeddings import encode_vector
 from modelserver.app import build_app
+from modelserver.engines.batching import DEFAULT_MAX_BATCH, BatchOptions
 from modelserver.engines.counting import TokenCounter
 from modelserver.engines.embeddings import OpenVINOEmbedder, load
 from modelserver.errors import RequestError
@@ -65,11 +66,12 @@ class Words:
         return SimpleNamespace(ids=text.split() + (["[CLS]", "[SEP]"] if add_special_tokens else []))
 
 
-def embedder(max_length: int | None, fast: Words | None = None) -> tuple[OpenVINOEmbedder, Pipe]:
+def embedder(max_length: int | None, fast: Words | None = None,
+             max_batch: int = DEFAULT_MAX_BATCH) -> tuple[OpenVINOEmbedder, Pipe]:
     pipe = Pipe()
     config = SimpleNamespace(max_length=max_length, normalize=True)
     counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), fast or Words())
-    return OpenVINOEmbedder(SPEC, pipe, counter, config, 0.0), pipe
+    return OpenVINOEmbedder(SPEC, pipe, counter, config, 0.0, BatchOptions(max_batch=max_batch)), pipe
 
 
 LONG = "w " * 40  # 42 tokens with [CLS] and [SEP]
@@ -113,6 +115,21 @@ def test_without_max_length_only_the_jobs_that_fit_reach_the_pipeline_after_the_
         engine.close()
     assert pipe.calls == [("embed_documents", ["a", "b c"])]
     assert answers == [[([1.0] * 3, 3)], [([3.0] * 3, 4)]]
+
+
+@pytest.mark.parametrize("max_length", [100, None])
+def test_a_request_above_max_batch_is_embedded_in_calls_of_max_batch_inputs(max_length: int | None) -> None:
+    """One pipeline call's memory grows with its inputs (and stays): a large request goes in max_batch pieces."""
+    engine, pipe = embedder(max_length, max_batch=2)
+    texts = ["a", "b c", "d e f", "g h i j", "k"]
+    try:
+        answers = engine._embed_all([(texts, False), (["x y"], False)])
+    finally:
+        engine.close()
+    first = "start" if max_length else "embed_documents"
+    assert pipe.calls == [(first, ["a", "b c"]), ("embed_documents", ["d e f", "g h i j"]),
+                          ("embed_documents", ["k", "x y"])]
+    assert answers == [[([float(len(t))] * 3, len(t.split()) + 2) for t in texts], [([3.0] * 3, 4)]]
 
 
 def test_a_count_that_fails_still_waits_for_the_started_call() -> None:
@@ -194,3 +211,13 @@ def test_real_batch_refuses_one_job_and_answers_the_other_as_alone(minilm: OpenV
     assert accepted[0][0] == pytest.approx(alone, abs=1e-4)  # batch padding leaves the vector
     assert accepted[0][1] == 9 and cut[0][1] == 256
     assert np.linalg.norm(cut[0][0]) == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.real_model
+def test_real_request_above_max_batch_gets_the_vectors_of_one_call(minilm: OpenVINOEmbedder) -> None:
+    texts = [f"{TEXTS[i % len(TEXTS)]} number {i}" for i in range(70)]  # three calls of 32, 32 and 6
+    (rows,) = minilm._embed_all([(texts, False)])
+    assert isinstance(rows, list) and len(rows) == 70
+    whole = minilm._pipe.embed_documents(texts)
+    for (vector, _), alone in zip(rows, whole, strict=True):
+        assert vector == pytest.approx(list(alone), abs=1e-4)  # batch padding leaves the vector

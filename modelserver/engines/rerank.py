@@ -18,7 +18,9 @@ A query + document longer than ``max_length`` (default: ``config.json``
 query + document + the pair's special tokens).
 
 ``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
-``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32).
+``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32; also the documents of one
+pipeline call: a request with more is scored in calls of that many, as one call's memory grows with its
+documents and stays, and the rankings merged).
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ class OpenVINOReranker:
 
     def _ranked(self, query: str, documents: list[str], counts: list[int]) -> RerankResult:
         """``counts``: the query's tokens, then each document's (special tokens excluded)."""
-        ranking = [(int(i), float(score)) for i, score in self._pipe.rerank(query, documents)]
+        step = self._batching.max_batch  # one call's memory grows with its documents (and stays): calls of max_batch
+        ranking = [(at + int(i), float(score)) for at in range(0, len(documents), step)
+                   for i, score in self._pipe.rerank(query, documents[at : at + step])]
+        ranking.sort(key=lambda pair: -pair[1])
         query_tokens, *document_tokens = counts
         return RerankResult(ranking=ranking, prompt_tokens=query_tokens * len(documents) + sum(document_tokens))
 
