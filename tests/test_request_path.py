@@ -144,3 +144,73 @@ async def test_a_closed_worker_answers_with_an_error() -> None:
     answer = await asyncio.wait_for(_called(worker, lambda: "never"), 30)
     assert isinstance(answer, RuntimeError)
     assert worker.stats()["failed"] == 1
+
+
+# -- a client gone during a large embeddings request: 499, and the calls only it needed are skipped ---------------
+
+
+class BlockingPipe:
+    """A stand-in TextEmbeddingPipeline whose every call waits for ``go``; records how many inputs each call had."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        self.calls.append(len(texts))
+        self.entered.set()
+        self.go.wait(30)
+        return [[1.0, 0.0] for _ in texts]
+
+
+async def test_a_client_gone_mid_embeddings_gets_499_and_the_rest_of_its_calls_are_skipped() -> None:
+    from types import SimpleNamespace
+
+    from modelserver.app import build_app
+    from modelserver.engines.batching import BatchOptions
+    from modelserver.engines.counting import TokenCounter
+    from modelserver.engines.embeddings import OpenVINOEmbedder
+    from modelserver.spec import build_model_spec
+
+    class Words:
+        def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+            return SimpleNamespace(ids=text.split() + ["[CLS]", "[SEP]"])
+
+    pipe = BlockingPipe()
+    counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), Words())
+    engine = OpenVINOEmbedder(build_model_spec("e", {"task": "embeddings", "engine": "fake"}), pipe, counter,
+                              SimpleNamespace(max_length=None, normalize=True), 0.0, BatchOptions(max_batch=4))
+    app = build_app(build_model_spec("e", {"task": "embeddings", "engine": "fake"}), engine)
+    client, sent = Client(), []
+    body = b'{"input": [' + b",".join(b'"text %d"' % i for i in range(20)) + b"]}"
+    first = [True]
+
+    async def receive() -> dict[str, Any]:
+        if first[0]:
+            first[0] = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await client.receive()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/embeddings", "raw_path": b"/v1/embeddings", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    try:
+        handler = asyncio.ensure_future(app(scope, receive, send))
+        await asyncio.get_running_loop().run_in_executor(None, pipe.entered.wait, 30)  # the first call runs
+        client.leave()
+        while not handler.done() and not sent:
+            await asyncio.sleep(0.01)
+        pipe.go.set()  # the first call ends; the four after it were needed by the gone client alone
+        await asyncio.wait_for(handler, 30)
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499  # not a 500 "engine error"
+        assert pipe.calls == [4]
+        rows = await asyncio.wait_for(engine.embed(["again"]), 30)  # the model serves the next request
+        assert rows.vectors == [[1.0, 0.0]] and pipe.calls == [4, 1]
+    finally:
+        pipe.go.set()
+        engine.close()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from modelserver.engines.batching import BatchOptions
+from modelserver.engines.batching import Abandoned, BatchOptions, Inputs
 from modelserver.engines.counting import TokenCounter
 from modelserver.engines.media_base import RerankResult
 from modelserver.engines.rerank import OpenVINOReranker, load
@@ -72,3 +72,24 @@ def test_real_request_above_max_batch_ranks_as_one_call() -> None:
     for index, score in result.ranking:
         assert score == pytest.approx(scores[index], abs=1e-4)  # batch padding leaves the score
     assert [s for _, s in result.ranking] == sorted((s for _, s in result.ranking), reverse=True)
+
+
+def test_a_gone_request_s_remaining_calls_are_skipped_and_the_others_are_scored() -> None:
+    pipe = Pipe()
+    counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), Words())
+    engine = OpenVINOReranker(SPEC, pipe, counter, 0.0, BatchOptions(max_batch=2))
+    left, stays = Inputs(["a", "bb", "ccc", "dddd"]), Inputs(["x", "yy", "zzz"])
+    rerank = pipe.rerank
+
+    def leaving(query: str, documents: list[str]) -> list[tuple[int, float]]:
+        left.gone = True  # its client leaves while the first call runs
+        return rerank(query, documents)
+
+    pipe.rerank = leaving  # type: ignore[method-assign]
+    try:
+        gone, kept = engine._rerank_all([("q", left, False), ("q", stays, False)])
+    finally:
+        engine.close()
+    assert isinstance(gone, Abandoned)
+    assert isinstance(kept, RerankResult) and kept.ranking == [(2, 3.0), (1, 2.0), (0, 1.0)]
+    assert pipe.calls == [["a", "bb"], ["x", "yy"], ["zzz"]]

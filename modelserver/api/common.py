@@ -94,9 +94,13 @@ def note(request: Request, **fields: Any) -> None:
 
 @contextlib.contextmanager
 def engine_errors(rt: ModelRuntime) -> Iterator[None]:
-    """Turn an engine's exception into a client error; a fatal one fails the runtime for good."""
+    """Turn an engine's exception into a client error; a fatal one fails the runtime for good.
+
+    :class:`ClientGone` (from :func:`until_disconnect` inside) passes as it is: no engine's doing."""
     try:
         yield
+    except ClientGone:
+        raise
     except ModelServerError as exc:
         if isinstance(exc, FatalEngineError):
             rt.set_failed(exc.message)

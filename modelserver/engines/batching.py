@@ -36,13 +36,28 @@ from typing import Any, Generic, TypeVar
 
 from modelserver.engines.media_base import SerialWorker
 
-__all__ = ["BatchOptions", "Batcher", "split"]
+__all__ = ["Abandoned", "BatchOptions", "Batcher", "Inputs", "split"]
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
 
 DEFAULT_WAIT_MS = 2.0
 DEFAULT_MAX_BATCH = 32
+
+
+class Inputs(list[str]):
+    """A request's texts, marked ``gone`` (on the loop) once its request was cancelled: its client left. The worker
+    reads the mark between the pipeline calls of a large request and skips those that only gone requests need."""
+
+    gone = False
+
+
+class Abandoned(Exception):
+    """The answer of a request whose work was skipped because its client had left (nobody reads it)."""
+
+
+def gone(inputs: Sequence[str]) -> bool:
+    return getattr(inputs, "gone", False) is True
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,13 +25,14 @@ documents and stays, and the rankings merged).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import openvino_genai as ov_genai
 
-from modelserver.engines.batching import Batcher, BatchOptions, split
+from modelserver.engines.batching import Abandoned, Batcher, BatchOptions, Inputs, gone, split
 from modelserver.engines.context import check_inputs
 from modelserver.engines.counting import TokenCounter, load_counter, near_limit
 from modelserver.engines.embeddings import BATCHING, batch_options
@@ -84,7 +85,12 @@ class OpenVINOReranker:
         self._worker.close()
 
     async def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> RerankResult:
-        return await self._batcher.submit((query, list(documents), truncate))
+        inputs = Inputs(documents)
+        try:
+            return await self._batcher.submit((query, inputs, truncate))
+        except asyncio.CancelledError:  # its client left: the calls only it needs are skipped
+            inputs.gone = True
+            raise
 
     def _rerank_all(self, jobs: list[Job]) -> list[RerankResult | BaseException]:
         """On the worker: every job's token counts in one encode, then each job that fits ranked (one call each).
@@ -100,11 +106,15 @@ class OpenVINOReranker:
         return [self._refusal(job_counts, truncate) or self._ranked(query, documents, job_counts)
                 for (query, documents, truncate), job_counts in zip(jobs, counts, strict=True)]
 
-    def _ranked(self, query: str, documents: list[str], counts: list[int]) -> RerankResult:
-        """``counts``: the query's tokens, then each document's (special tokens excluded)."""
+    def _ranked(self, query: str, documents: list[str], counts: list[int]) -> RerankResult | Abandoned:
+        """``counts``: the query's tokens, then each document's (special tokens excluded); :class:`Abandoned` once
+        the request's client has left."""
         step = self._batching.max_batch  # one call's memory grows with its documents (and stays): calls of max_batch
-        ranking = [(at + int(i), float(score)) for at in range(0, len(documents), step)
-                   for i, score in self._pipe.rerank(query, documents[at : at + step])]
+        ranking: list[tuple[int, float]] = []
+        for at in range(0, len(documents), step):
+            if gone(documents):
+                return Abandoned(f"the client left; {len(documents) - at} documents not scored")
+            ranking += [(at + int(i), float(score)) for i, score in self._pipe.rerank(query, documents[at : at + step])]
         ranking.sort(key=lambda pair: -pair[1])
         query_tokens, *document_tokens = counts
         return RerankResult(ranking=ranking, prompt_tokens=query_tokens * len(documents) + sum(document_tokens))
