@@ -16,7 +16,7 @@ heap's free pages to the OS (glibc ``malloc_trim``: the load's temporary buffers
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -46,13 +46,18 @@ def read_only_file_mappings(maps: str) -> Iterator[tuple[int, int, str]]:
         yield start, end, fields[5]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, once. ``libc.so.6`` by name: ``ctypes.util.find_library`` would run ``ldconfig -p`` in a
+    child process (a fork of the whole model server) at every call, right after the model's first answer."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
+    for name in ("libc.so.6", None):  # None: the symbols already loaded in this process (libc among them)
+        try:
+            return ctypes.CDLL(name, use_errno=True)
+        except OSError:
+            continue
+    return None
 
 
 def _madvise() -> Madvise | None:

@@ -108,3 +108,26 @@ async def test_the_app_settles_after_its_first_model_answer_only() -> None:
     await _answer(app, "/v1/embeddings")
     await _answer(app, "/v1/embeddings")
     assert runs == [1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_the_c_library_is_found_without_a_child_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_library("c") runs ``ldconfig -p`` in a fork of the model server, right after its first answer."""
+    import ctypes.util
+    import subprocess
+
+    from modelserver import settle
+
+    def no_child(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a child process was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    monkeypatch.setattr(ctypes.util, "find_library", no_child)
+    settle._libc.cache_clear()
+    try:
+        libc = settle._libc()
+        assert libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "madvise")
+        assert settle._libc() is libc  # once per process
+        assert settle.trim_heap() is True
+    finally:
+        settle._libc.cache_clear()
