@@ -154,6 +154,8 @@ def _server(
         Heartbeat(build_app(runtime.spec, runtime=runtime, token=token)),  # outside: it needs uvicorn's send
         http="httptools",
         loop="uvloop",
+        ws="none",  # no websocket route: "auto" would import websockets (~12 ms, after a GIL-holding load)
+        interface="asgi3",
         log_config=None,
         access_log=False,  # modelserver.app.RequestLog writes the access line
         proxy_headers=False,  # behind the router on a private socket: nothing here reads the client's address
