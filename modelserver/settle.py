@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["MADV_DONTNEED", "Settle", "read_only_file_mappings", "release_file_pages", "trim_heap"]
+__all__ = ["MADV_DONTNEED", "Settle", "read_only_file_mappings", "release_and_trim", "release_file_pages", "trim_heap"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,13 @@ def trim_heap() -> bool:
     return True
 
 
+def release_and_trim(release: Callable[[], int] = release_file_pages, trim: Callable[[], bool] = trim_heap) -> int:
+    """:func:`release_file_pages` then :func:`trim_heap`; the bytes of mappings released."""
+    released = release()
+    trim()
+    return released
+
+
 class Settle:
     """Once, after the first answer: :func:`release_file_pages` and :func:`trim_heap` (see the module's note)."""
 
@@ -110,7 +117,6 @@ class Settle:
         if self.done:
             return
         self.done = True
-        released = self._release()
-        self._trim()
+        released = release_and_trim(self._release, self._trim)
         log.info("%s answered: dropped the resident pages of %d MiB of read-only file mappings (the weights as "
                  "stored; what is read again comes back) and trimmed the heap", self._name, released // MIB)

@@ -350,8 +350,8 @@ class Bridge:
             self._first = self._deferred = None
         del first
         gc.collect()
-        settle.release_file_pages()  # the weights' copy of the second pipeline is made (see _warm_up)
-        settle.trim_heap()  # and the first pipeline's memory goes back to the OS
+        # the weights' copy of the second pipeline is made (see _warm_up); the first pipeline's memory goes back
+        settle.release_and_trim()
         log.info("switched to the continuous-batching pipeline %.2fs after the start; the stateful one is freed",
                  self.switched_after_s)
 
