@@ -114,8 +114,8 @@ class Pump:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stopping = True
-        self._wake.set()
+        """:meth:`halt`, then wait for the thread to end (``timeout_s`` at most)."""
+        self.halt()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
