@@ -20,14 +20,12 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from procman.placement import format_bytes
 from procman.procfs import proc_bytes
 
 __all__ = [
     "AUTO_CPU_FRACTION",
     "AUTO_GPU_FRACTION",
     "budget_device",
-    "format_bytes",
     "parse_budget",
     "parse_size",
     "physical_memory_bytes",
