@@ -76,13 +76,18 @@ ROWS: list[tuple[str, State, Counters, Event]] = [
 
 
 def _words(thing: object) -> str:
-    """``Spawn('cold')``: the fields that differ from their defaults, values only."""
+    """``Spawn('cold')``: the fields that differ from their defaults, as a call would pass them: values only
+    while every field before was shown, then by name (``Hung(1, outside=True)``; ``Hung(1, True)`` is ``blamed``)."""
     shown = []
+    skipped = False
     for f in dataclasses.fields(thing):  # type: ignore[arg-type]
         value = getattr(thing, f.name)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if f.compare and value != default:
-            shown.append(_words(value) if dataclasses.is_dataclass(value) else repr(value))
+        if not f.compare or value == default:
+            skipped = True
+            continue
+        text = _words(value) if dataclasses.is_dataclass(value) else repr(value)
+        shown.append(f"{f.name}={text}" if skipped else text)
     return f"{type(thing).__name__}({', '.join(shown)})".replace("|", "\\|")
 
 

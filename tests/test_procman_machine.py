@@ -471,6 +471,16 @@ def test_procman_readme_carries_the_state_table_decide_computes() -> None:
     assert shown == markdown(), "procman/README.md's state table is stale: paste `python -m procman.table`"
 
 
+def test_the_state_table_names_a_field_that_follows_a_default_one() -> None:
+    from procman.events import Hung
+    from procman.table import _words
+
+    assert _words(Hung(1)) == "Hung(1)"
+    assert _words(Hung(1, blamed=True)) == "Hung(1, True)"
+    assert _words(Hung(1, outside=True)) == "Hung(1, outside=True)"  # not Hung(1, True): that reads as blamed
+    assert _words(Hung(1, True, True)) == "Hung(1, True, True)"
+
+
 def test_forgiven_deaths_leave_the_count_and_bring_the_relaunch_sooner() -> None:
     waiting = C._replace(auto=True, died=True, failures=3, backoff_until=NOW + 2.0)
     state, c, effects = row(S.BACKOFF, Forgive((4, 5), 2), waiting)
