@@ -28,7 +28,7 @@ import httpx
 from bench.common import median, ratio
 from bench.procs import ROOT, die_with_parent
 
-__all__ = ["KINDS", "Kind", "bare", "first_answer", "model_entries", "present", "rows"]
+__all__ = ["KINDS", "Kind", "bare", "first_answer", "model_entries", "present", "rows", "send"]
 
 MODELS = ROOT / "models"
 TEXT = "A cat sits on the mat."
@@ -69,7 +69,7 @@ def _wav(seconds: float = 1.0, rate: int = 16_000) -> bytes:
     return buffer.getvalue()
 
 
-def _send(client: httpx.Client, url: str, kind: Kind) -> httpx.Response:
+def send(client: httpx.Client, url: str, kind: Kind) -> httpx.Response:
     name = kind.name
     if kind.task == "embeddings":
         return client.post(url + "/v1/embeddings", json={"model": name, "input": TEXT})
@@ -89,7 +89,7 @@ def first_answer(url: str, kind: Kind) -> float:
     """Seconds from sending ``kind``'s request to its whole answer (the model stopped before)."""
     with httpx.Client(timeout=600) as client:
         start = time.perf_counter()
-        answer = _send(client, url, kind)
+        answer = send(client, url, kind)
         answer.read()
         took = time.perf_counter() - start
     if answer.status_code != 200:
