@@ -226,6 +226,10 @@ def test_model_of_json_and_multipart() -> None:
     assert model_of(form, "multipart/form-data; boundary=b", []).model == "whisper"
     with pytest.raises(BadRequest, match="not valid JSON"):
         model_of(b"{nope", "application/json", [])
+    urlencoded = "application/x-www-form-urlencoded"
+    assert model_of(b'{"model": "m"}', urlencoded, []).model == "m"  # curl -d without a Content-Type
+    with pytest.raises(BadRequest, match="not valid JSON .*a form is read only as multipart/form-data"):
+        model_of(b"model=whisper", urlencoded, [])
     with pytest.raises(BadRequest, match="nested too deeply"):  # a RecursionError, not a 500
         model_of(b"[" * 100_000 + b"]" * 100_000, "application/json", [])
     with pytest.raises(BadRequest, match="`model` is required: name one of a, b"):

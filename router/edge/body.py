@@ -151,7 +151,10 @@ def model_of(body: bytes, content_type: str, known: Iterable[str], implied: str 
     mime, params = parse_options_header(content_type)
     if mime == b"multipart/form-data":
         return RoutedBody(_form_model(body, params.get(b"boundary"), known), stream=False)
-    data = parse_json(body, "send a JSON object with a `model` field")
+    hint = "send a JSON object with a `model` field"
+    if mime == b"application/x-www-form-urlencoded":  # curl -d sends JSON under this type too: read as JSON first
+        hint += " (a form is read only as multipart/form-data: the audio routes' `file` and `model`, curl -F)"
+    data = parse_json(body, hint)
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object with a `model` field")
     model = data.get("model")
