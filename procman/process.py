@@ -314,6 +314,8 @@ def exit_words(code: int | None) -> str:
         return "exited (exit status unknown)"
     if code >= 0:
         return f"exited with code {code}"
+    if code == -signal.SIGSTOP:  # no process exits by SIGSTOP: the code of a hang found stopped from outside
+        return f"was found stopped by SIGSTOP (signal {-code}) and killed"
     return f"was killed by {signal_name(code)} (signal {-code})"
 
 

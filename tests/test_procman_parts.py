@@ -318,6 +318,7 @@ async def test_http_prober_head_sends_head_and_reads_no_body() -> None:
     (3, "exited with code 3"),
     (-9, "was killed by SIGKILL (signal 9)"),
     (-11, "was killed by SIGSEGV (signal 11)"),
+    (-19, "was found stopped by SIGSTOP (signal 19) and killed"),  # a hang silenced from outside
     (None, "exited (exit status unknown)"),
 ])
 def test_exit_words_name_the_code_or_the_signal(code: int | None, words: str) -> None:
