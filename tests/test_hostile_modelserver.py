@@ -231,6 +231,20 @@ async def test_fake_embeddings_refuse_an_input_above_max_length_unless_truncate(
         assert_400(await client.post("/v1/embeddings", json={"input": "x", "truncate": "yes"}), "truncate")
 
 
+async def test_embeddings_take_at_most_max_inputs_a_request_on_every_route() -> None:
+    # each input answers ~8 KB of JSON whatever its length: 100000 one-letter inputs made an 810 MB answer
+    from modelserver.api.embeddings import MAX_INPUTS
+
+    async with fake_client("embeddings", FakeEmbedder) as client:
+        assert (await client.post("/v1/embeddings", json={"input": ["a"] * MAX_INPUTS})).status_code == 200
+        too_many = ["a"] * (MAX_INPUTS + 1)
+        assert_400(await client.post("/v1/embeddings", json={"input": too_many}), "input",
+                   f"at most {MAX_INPUTS} inputs a request, got {MAX_INPUTS + 1}", "several requests")
+        ollama = await client.post("/ollama/api/embed", json={"input": too_many})
+        assert ollama.status_code == 400 and f"at most {MAX_INPUTS} inputs" in ollama.json()["error"]
+        assert (await client.post("/v1/embeddings", json={"input": "still serving"})).status_code == 200
+
+
 async def test_fake_rerank_refuses_a_pair_above_max_length_unless_truncate() -> None:
     async with fake_client("rerank", FakeReranker, max_length=8) as client:
         body = {"query": "a b c", "documents": ["d e", "f " * 6]}

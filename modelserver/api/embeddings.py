@@ -6,6 +6,8 @@ unless the request sends ``truncate: true`` (as TEI and Cohere accept): then its
 are embedded. ``dimensions`` shortens each vector to its first N numbers (renormalized when the
 model normalizes) on a model trained for it (``matryoshka``, :func:`shorten`); any other model
 answers 400 naming ``dimensions``, since a cut vector of such a model is not an embedding.
+At most :data:`MAX_INPUTS` inputs a request (OpenAI's limit): the answer is ~8 KB of JSON an input
+whatever its length, so 100000 one-letter inputs (500 KB sent) made an 810 MB answer and a 2.7 GB peak.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from modelserver.engines.base import Embedder, EmbeddingResult
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.protocol import EmbeddingRequest
 
-__all__ = ["embed_texts", "encode_vector", "routes", "shorten"]
+__all__ = ["MAX_INPUTS", "embed_texts", "encode_vector", "routes", "shorten"]
+
+#: Inputs of one embeddings request (OpenAI's limit; LangChain sends 1000 at a time).
+MAX_INPUTS = 2048
 
 
 def encode_vector(vector: Sequence[float], encoding_format: str) -> Sequence[float] | str:
@@ -70,6 +75,9 @@ def shorten(vectors: Sequence[Sequence[float]], dimensions: int | None, embedder
 async def embed_texts(request: Request, texts: list[str], truncate: bool, dimensions: int | None) -> EmbeddingResult:
     """The vectors of ``texts``, cut to ``dimensions`` (every embeddings route's one way to the engine);
     :class:`ClientGone` when the client left first."""
+    if len(texts) > MAX_INPUTS:
+        raise RequestError(f"input: at most {MAX_INPUTS} inputs a request, got {len(texts)}; send them in "
+                           f"several requests", param="input")
     embedder = engine_as(request, Embedder)
     if dimensions is not None and not embedder.matryoshka:  # before the work: refused whatever the input
         shorten([], dimensions, embedder)
