@@ -2,10 +2,11 @@
 
 Concurrent requests are batched (:mod:`modelserver.engines.batching`): the inputs of the
 requests that meet within ``batch_wait_ms`` (or while a batch runs) go to the pipeline in
-one ``embed_documents`` call on the model's
-:class:`~modelserver.engines.media_base.SerialWorker`, and each request gets its own rows
-back. ``usage.prompt_tokens`` counts the model's own tokens (the tokenizer's attention
-mask, capped at ``max_length``).
+one call on the model's :class:`~modelserver.engines.media_base.SerialWorker`, and each
+request gets its own rows back. ``usage.prompt_tokens`` counts the model's own tokens
+(the tokenizer's attention mask, capped at ``max_length``); with ``max_length`` known the
+count is taken while the pipeline computes (it cuts every input to ``max_length`` itself,
+so a request refused for a long input only has its vectors dropped), else before the call.
 
 ``options`` (all optional): ``pooling`` (cls | mean | last_token), ``normalize`` (L2),
 ``max_length`` (default: what the folder declares, else ``config.json``
