@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.ids import random_hex
@@ -108,6 +108,13 @@ class ChatMessage(_Request):
         if isinstance(value, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in value):
             return value
         raise ValueError('must be a string or a list of content parts like {"type": "text", "text": "..."}')
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        """Only an assistant message may go without ``content`` (one that made tool calls), as OpenAI has it."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f'a {self.role} message needs "content": a string or a list of content parts')
+        return self
 
 
 class FunctionDef(_Request):

@@ -201,6 +201,17 @@ async def test_a_nul_escaped_in_json_is_text(fake_llm: httpx.AsyncClient) -> Non
     assert response.status_code == 200
 
 
+async def test_only_an_assistant_message_may_go_without_content(fake_llm: httpx.AsyncClient) -> None:
+    # as OpenAI: a user message without content was answered as if it were empty
+    for role in ("user", "system", "tool"):
+        answer = await fake_llm.post("/v1/chat/completions", json={"messages": [{"role": role}]})
+        assert_400(answer, "messages[0]", f'a {role} message needs "content"')
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert (await fake_llm.post("/v1/chat/completions", json={"messages": history})).status_code == 200
+
+
 async def test_fake_context_is_checked_like_the_real_one(fake_llm: httpx.AsyncClient) -> None:
     long = [{"role": "user", "content": "w " * 30}]
     assert_400(await fake_llm.post("/v1/chat/completions", json={"messages": long}), "messages",
