@@ -214,3 +214,14 @@ async def test_a_client_gone_mid_embeddings_gets_499_and_the_rest_of_its_calls_a
     finally:
         pipe.go.set()
         engine.close()
+
+
+def test_engine_errors_pass_a_client_gone_as_it_is() -> None:
+    # every route wraps until_disconnect in engine_errors: a disconnect was a 500 "engine error: ClientGone"
+    from types import SimpleNamespace
+
+    from modelserver.api.common import engine_errors
+
+    runtime: Any = SimpleNamespace(spec=None, set_failed=lambda message: pytest.fail("no engine failed"))
+    with pytest.raises(ClientGone), engine_errors(runtime):
+        raise ClientGone()
