@@ -9,7 +9,10 @@ A tokenizer may also cut its output at a fixed length (openvino_genai's tokenize
 stops at 8192 tokens whatever ``max_length`` says): :func:`truncation_cap` finds that cap at
 load, the effective context is the smaller of the two, and a prompt that reaches the cap is
 counted again in pieces (:func:`chunks`) so the 400 names its real size and no prompt is
-ever silently cut.
+ever silently cut. The probe tokenizes ~150k tokens' worth of text (16-220 ms on the small
+models here, on a cold start's critical path), so :func:`remembered_cap` keeps its answer in
+the model's ``cache_dir`` (:data:`CAP_FILE`), per tokenizer file (path, size, modification
+time) and openvino_genai version: a later start of the same model reads it back.
 
 :func:`fit_context` is the check itself (pure): prompt + ``max_tokens`` must fit; without
 ``max_tokens`` the completion is capped at what the context leaves.
@@ -17,7 +20,12 @@ ever silently cut.
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,14 +34,24 @@ from modelserver.engines.base import SamplingParams
 from modelserver.errors import ContextLengthExceeded, LoadError, RequestError
 
 __all__ = [
+    "CAP_FILE",
     "PromptCounter",
     "check_inputs",
     "token_counts",
     "chunks",
     "configured_context",
     "fit_context",
+    "remembered_cap",
+    "tokenizer_files",
     "truncation_cap",
 ]
+
+log = logging.getLogger(__name__)
+
+#: Where :func:`remembered_cap` keeps the probes' answers, in the model's ``cache_dir``.
+CAP_FILE = "ovrouter-tokenizer-caps.json"
+
+Count = Callable[[str], int]
 
 
 def fit_context(prompt_tokens: int, sampling: SamplingParams, context: int | None, prompt_param: str) -> int:
@@ -72,9 +90,10 @@ class PromptCounter:
     (:func:`truncation_cap`); :meth:`fit` tokenizes once and returns the ids and ``max_new_tokens``.
     """
 
-    def __init__(self, tokenizer: Any, context: int | None) -> None:
+    def __init__(self, tokenizer: Any, context: int | None,
+                 find_cap: Callable[[Count], int | None] | None = None) -> None:
         self._tokenizer = tokenizer
-        self.cap = truncation_cap(self.count)
+        self.cap = (find_cap or truncation_cap)(self.count)
         self._special_tokens = self.count("", special=True)
         self.context_length = min((n for n in (context, self.cap) if n is not None), default=None)
 
@@ -176,6 +195,56 @@ def truncation_cap(count: Callable[[str], int]) -> int | None:
     small = count(unit * 64)
     big = count(unit * 64 * 256)  # ~ 2.5 million tokens' worth of text would be slow; 256x is ~ 150k tokens
     return big if big < small * 200 else None
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The files a tokenizer is built from: a ``.gguf`` itself; an IR folder's ``openvino_tokenizer`` pair."""
+    if path.is_file():
+        return [path]
+    return [found for name in ("openvino_tokenizer.xml", "openvino_tokenizer.bin") if (found := path / name).is_file()]
+
+
+def remembered_cap(count: Count, cache_dir: str | None, files: Sequence[Path], version: str) -> int | None:
+    """:func:`truncation_cap` of ``count``, kept in ``cache_dir``/:data:`CAP_FILE` per ``files`` (the tokenizer's:
+    path, size, modification time) and ``version`` (openvino_genai's); probed as before without either."""
+    if cache_dir is None or not files:
+        return truncation_cap(count)
+    try:
+        key = "|".join([version, *(f"{f.resolve()}:{(st := f.stat()).st_size}:{st.st_mtime_ns}" for f in files)])
+    except OSError:
+        return truncation_cap(count)
+    path = Path(cache_dir) / CAP_FILE
+    known = _read_caps(path)
+    value = known.get(key, "")
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    cap = truncation_cap(count)
+    _write_caps(path, {**_read_caps(path), key: cap})  # read again: another model may have written meanwhile
+    return cap
+
+
+def _read_caps(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_caps(path: Path, caps: dict[str, Any]) -> None:
+    """By rename (a reader never sees half a file); a folder that cannot be written only costs the next probe."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, part = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".part")
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(caps, out)
+            os.replace(part, path)
+        except OSError:
+            Path(part).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        log.debug("could not keep the tokenizer's cap in %s: %s", path, exc)
 
 
 def chunks(text: str, size: int = 1024) -> Iterator[str]:

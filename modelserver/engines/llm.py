@@ -34,6 +34,7 @@ from modelserver.engines.ov_options import (
     one_line,
     ov_properties,
     prepare_source,
+    remembered,
     scheduler_config,
 )
 from modelserver.engines.task_options import task_options
@@ -305,7 +306,7 @@ class OpenVINOTextGenerator:
         self._load_s = load_s
         self._ids = itertools.count(1)
         self.reports_logprobs = True
-        self._counter = PromptCounter(self._tokenizer, context)  # a GGUF's tokenizer cuts at 8192 tokens
+        self._counter = PromptCounter(self._tokenizer, context, remembered(spec, source.tokenizer_path or source.path))
         self._scheduler = scheduler = scheduler_for(spec, source.original or source.path, context)
         self._prefix = PrefixTracker(block_size_for(spec.device), bool(scheduler.get("enable_prefix_caching")))
         self.context_length = self._counter.context_length

@@ -19,14 +19,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelserver.engines.context import Count, remembered_cap, tokenizer_files
 from modelserver.errors import LoadError
 from modelserver.spec import DEFAULT_STATE_DIR, ModelSpec
 
@@ -38,6 +41,7 @@ __all__ = [
     "one_line",
     "ov_properties",
     "prepare_source",
+    "remembered",
     "scheduler_config",
 ]
 
@@ -229,3 +233,13 @@ def one_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     useful = [line for line in lines if not line.startswith(("Exception from ", "Check '"))]
     return " ".join(useful or lines) or type(exc).__name__
+
+
+def remembered(spec: ModelSpec, tokenizer: Path | None) -> Callable[[Count], int | None]:
+    """How a :class:`~modelserver.engines.context.PromptCounter` finds its tokenizer's cap for ``spec``: the probe's
+    answer kept in the model's ``cache_dir`` for the tokenizer built from ``tokenizer`` (a ``.gguf`` or an IR folder;
+    None: probed every start)."""
+    import openvino_genai as ov_genai
+
+    files = tokenizer_files(tokenizer) if tokenizer is not None else []
+    return functools.partial(remembered_cap, cache_dir=spec.cache_dir, files=files, version=ov_genai.__version__)

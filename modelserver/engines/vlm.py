@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import openvino as ov
@@ -26,7 +27,7 @@ from modelserver.engines.base import FinishReason, GenerationRequest
 from modelserver.engines.context import PromptCounter, configured_context
 from modelserver.engines.llm import OPTIONS, chat_history, generation_config, render_chat, request_text
 from modelserver.engines.media_base import SerialWorker, VisionRequest
-from modelserver.engines.ov_options import one_line, ov_properties
+from modelserver.engines.ov_options import one_line, ov_properties, remembered
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.engines.tokens import TokenizerIds
 from modelserver.errors import LoadError
@@ -80,12 +81,13 @@ class VisionStream:
 
 
 class OpenVINOVisionGenerator:
-    def __init__(self, spec: ModelSpec, pipe: Any, load_s: float, context: int | None = None) -> None:
+    def __init__(self, spec: ModelSpec, pipe: Any, load_s: float, context: int | None = None,
+                 folder: Path | None = None) -> None:
         self._spec = spec
         self._pipe = pipe
         self._defaults = pipe.get_generation_config()
         self._tokenizer = pipe.get_tokenizer()
-        self._counter = PromptCounter(self._tokenizer, context)
+        self._counter = PromptCounter(self._tokenizer, context, remembered(spec, folder))
         self.context_length = self._counter.context_length
         self.tokens = TokenizerIds(self._tokenizer, self._counter.cap)
         template = self._tokenizer.chat_template
@@ -211,4 +213,4 @@ def load(spec: ModelSpec) -> OpenVINOVisionGenerator:
         pipe = ov_genai.VLMPipeline(str(path), spec.device, **properties)
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started, context)
+    return OpenVINOVisionGenerator(spec, pipe, time.monotonic() - started, context, path)
