@@ -16,7 +16,7 @@ model server's ``/health`` start marks next to the bare load and first answer:
 (``PYTHONPATH=TREE``), its rounds interleaved with this tree's, for an A/B on a loaded machine.
 
 Usage: ``PYTHONPATH=$PWD .venv/bin/python tools/coldstart_trace.py [--rounds 3] [--kinds speech vlm ...]
-[--compare /path/to/other/checkout]``
+[--compare /path/to/other/checkout]``; ``--kinds llm`` adds SmolLM2 (no bare side here).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from bench.procs import Procs
 from bench.routerctl import Router, router_config, start_router
 
 Row = dict[str, float]
+#: ``--kinds llm``: SmolLM2 (its bare side is ``bench/coldstart.py``'s, not run here)
+LLM = coldkinds.Kind("llm", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _cold(router: Router, kind: coldkinds.Kind) -> Row:
@@ -72,6 +74,8 @@ def _router(procs: Procs, tmp: Path, kinds: list[coldkinds.Kind], tree: str, nam
 def _print(label: str, rows: dict[str, list[Row]]) -> None:
     print(label)
     for task, found in rows.items():
+        if not found:
+            continue
         med = {key: statistics.median(r[key] for r in found) for key in found[0]}
         print(f"  {task:14s} " + " ".join(f"{k}={v:.3f}" for k, v in med.items()))
 
@@ -82,7 +86,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="*", default=[k.task for k in coldkinds.present()])
     parser.add_argument("--compare", help="another checkout, run interleaved with this one")
     args = parser.parse_args()
-    kinds = [k for k in coldkinds.present() if k.task in args.kinds]
+    kinds = [k for k in [*coldkinds.present(), LLM] if k.task in args.kinds]
     tmp = Path(tempfile.mkdtemp(prefix="coldtrace-"))
     here = str(Path(__file__).resolve().parent.parent)
     trees = {"this tree": here, **({"compare": str(Path(args.compare).resolve())} if args.compare else {})}
@@ -90,7 +94,8 @@ def main() -> None:
         routers = {label: _router(procs, tmp, kinds, tree, f"router-{i}") for i, (label, tree) in
                    enumerate(trees.items())}
         for kind in kinds:
-            coldkinds.bare(sys.executable, kind, tmp / "bare" / kind.task)
+            if kind is not LLM:
+                coldkinds.bare(sys.executable, kind, tmp / "bare" / kind.task)
         rows: dict[str, dict[str, list[Row]]] = {label: {k.task: [] for k in kinds} for label in [*trees, "bare"]}
         loads = []
         for index in range(args.rounds):
@@ -101,6 +106,8 @@ def main() -> None:
                     for other in routers.values():
                         _spares_settled(other, 1)
                     rows[label][kind.task].append(_cold(router, kind))
+                if kind is LLM:
+                    continue
                 bare = coldkinds.bare(sys.executable, kind, tmp / "bare" / kind.task)
                 rows["bare"][kind.task].append({"load+first": bare["load_s"] + bare["first_s"],
                                                 "load": bare["load_s"], "first": bare["first_s"]})
