@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from modelserver.engines.batching import Batcher, BatchOptions
+from modelserver.engines.batching import Batcher, BatchOptions, calls
 from modelserver.engines.media_base import SerialWorker
 
 HOLD_S = 60.0  # a wait no test may sit out: reaching the answer at all proves a request was not held
@@ -156,3 +156,15 @@ async def test_a_request_cancelled_while_waiting_is_left_out(worker: SerialWorke
     assert await kept == ["KEPT"]
     assert pipeline.calls == [["first"], ["kept"]]
 
+
+
+@pytest.mark.parametrize(("tokens", "budget", "pieces"), [
+    ([3, 3, 3, 3], 6, [(0, 2), (2, 4)]),
+    ([1, 1, 1, 10, 1], 10, [(0, 3), (3, 4), (4, 5)]),  # padded to the call's longest
+    ([20], 5, [(0, 1)]),  # one input a call at least, however long
+    ([2] * 6, 100, [(0, 6)]),
+    ([], 5, []),
+])
+def test_calls_hold_at_most_the_budget_of_padded_tokens(tokens: list[int], budget: int,
+                                                        pieces: list[tuple[int, int]]) -> None:
+    assert [(piece.start, piece.stop) for piece in calls(tokens, budget)] == pieces

@@ -117,19 +117,27 @@ def test_without_max_length_only_the_jobs_that_fit_reach_the_pipeline_after_the_
     assert answers == [[([1.0] * 3, 3)], [([3.0] * 3, 4)]]
 
 
-@pytest.mark.parametrize("max_length", [100, None])
-def test_a_request_above_max_batch_is_embedded_in_calls_of_max_batch_inputs(max_length: int | None) -> None:
-    """One pipeline call's memory grows with its inputs (and stays): a large request goes in max_batch pieces."""
-    engine, pipe = embedder(max_length, max_batch=2)
-    texts = ["a", "b c", "d e f", "g h i j", "k"]
+def test_a_large_request_goes_in_calls_of_at_most_max_batch_x_max_length_padded_tokens() -> None:
+    """One pipeline call's memory grows with its padded tokens (and stays): a large request is cut by them."""
+    engine, pipe = embedder(5, max_batch=2)  # calls of at most 2 x 5 padded tokens
+    engine._counter.confirmed = lambda texts, counts, near, special=True: counts  # type: ignore[method-assign]
+    texts = ["a", "b c", "d e f", "g h", "k"]  # 3, 4, 5, 4 and 3 tokens with [CLS] and [SEP]
     try:
         answers = engine._embed_all([(texts, False), (["x y"], False)])
     finally:
         engine.close()
-    first = "start" if max_length else "embed_documents"
-    assert pipe.calls == [(first, ["a", "b c"]), ("embed_documents", ["d e f", "g h i j"]),
+    assert pipe.calls == [("embed_documents", ["a", "b c"]), ("embed_documents", ["d e f", "g h"]),
                           ("embed_documents", ["k", "x y"])]
     assert answers == [[([float(len(t))] * 3, len(t.split()) + 2) for t in texts], [([3.0] * 3, 4)]]
+
+
+def test_short_inputs_above_max_batch_still_go_in_one_call() -> None:
+    engine, pipe = embedder(100, max_batch=2)  # 6 inputs of 3-4 tokens: 24 padded tokens, under 2 x 100
+    try:
+        engine._embed_all([(["a", "b c", "d", "e f"], False), (["g", "h i"], False)])
+    finally:
+        engine.close()
+    assert pipe.calls == [("embed_documents", ["a", "b c", "d", "e f", "g", "h i"])]
 
 
 def test_a_count_that_fails_still_waits_for_the_started_call() -> None:
@@ -215,7 +223,7 @@ def test_real_batch_refuses_one_job_and_answers_the_other_as_alone(minilm: OpenV
 
 @pytest.mark.real_model
 def test_real_request_above_max_batch_gets_the_vectors_of_one_call(minilm: OpenVINOEmbedder) -> None:
-    texts = [f"{TEXTS[i % len(TEXTS)]} number {i}" for i in range(70)]  # three calls of 32, 32 and 6
+    texts = [f"{TEXTS[i % len(TEXTS)]} " * 12 + f"number {i}" for i in range(70)]  # calls of 32 x 256 tokens
     (rows,) = minilm._embed_all([(texts, False)])
     assert isinstance(rows, list) and len(rows) == 70
     whole = minilm._pipe.embed_documents(texts)

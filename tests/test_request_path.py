@@ -156,12 +156,19 @@ class BlockingPipe:
         self.calls: list[int] = []
         self.entered = threading.Event()
         self.go = threading.Event()
+        self.started: list[str] = []
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         self.calls.append(len(texts))
         self.entered.set()
         self.go.wait(30)
         return [[1.0, 0.0] for _ in texts]
+
+    def start_embed_documents_async(self, texts: list[str]) -> None:
+        self.started = list(texts)
+
+    def wait_embed_documents(self) -> list[list[float]]:
+        return self.embed_documents(self.started)
 
 
 async def test_a_client_gone_mid_embeddings_gets_499_and_the_rest_of_its_calls_are_skipped() -> None:
@@ -179,11 +186,12 @@ async def test_a_client_gone_mid_embeddings_gets_499_and_the_rest_of_its_calls_a
 
     pipe = BlockingPipe()
     counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), Words())
+    counter.confirmed = lambda texts, counts, near, special=True: counts  # type: ignore[method-assign]
     engine = OpenVINOEmbedder(build_model_spec("e", {"task": "embeddings", "engine": "fake"}), pipe, counter,
-                              SimpleNamespace(max_length=None, normalize=True), 0.0, BatchOptions(max_batch=4))
+                              SimpleNamespace(max_length=4, normalize=True), 0.0, BatchOptions(max_batch=4))
     app = build_app(build_model_spec("e", {"task": "embeddings", "engine": "fake"}), engine)
     client, sent = Client(), []
-    body = b'{"input": [' + b",".join(b'"text %d"' % i for i in range(20)) + b"]}"
+    body = b'{"input": [' + b",".join(b'"text %d"' % i for i in range(20)) + b"]}"  # 4 tokens each: calls of 4
     first = [True]
 
     async def receive() -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""A rerank request with more documents than ``max_batch`` is scored in pipeline calls of ``max_batch``
-documents (one call's memory grows with its documents, and the CPU plugin keeps it), the rankings merged:
+"""A rerank request's documents are scored in pipeline calls of at most ``max_batch`` x ``max_length`` padded
+tokens (one call's memory grows with its documents, and the CPU plugin keeps it), the rankings merged:
 first with a stand-in pipeline (which documents reach which call, the merged order and indices), then on the
 real tiny reranker (the same ranking as one call)."""
 
@@ -39,11 +39,12 @@ class Pipe:
         return sorted(enumerate(float(len(d)) for d in documents), key=lambda pair: -pair[1])
 
 
-def test_documents_above_max_batch_go_in_calls_of_max_batch_and_the_rankings_merge() -> None:
+def test_documents_go_in_calls_of_at_most_max_batch_x_max_length_tokens_and_the_rankings_merge() -> None:
     pipe = Pipe()
     counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), Words())
-    engine = OpenVINOReranker(SPEC, pipe, counter, 0.0, BatchOptions(max_batch=2))
-    documents = ["bb", "a", "eeeee", "dddd", "ccc"]
+    counter.confirmed = lambda texts, counts, near, special=True: counts  # type: ignore[method-assign]
+    engine = OpenVINOReranker(SPEC, pipe, counter, 0.0, BatchOptions(max_batch=2), max_length=6)
+    documents = ["bb", "a", "eeeee", "dddd", "ccc"]  # each pair 5 tokens: calls of two (at most 2 x 6 tokens)
     try:
         (result,) = engine._rerank_all([("q", documents, False)])
     finally:
@@ -60,9 +61,9 @@ def test_real_request_above_max_batch_ranks_as_one_call() -> None:
     if not (folder / ".built").exists():
         pytest.fail(f"{folder} is missing: run `make test-models` (make test does it)")
     engine = load(build_model_spec("rerank", {"task": "rerank", "path": str(folder)}))
-    documents = [f"document {i} about {'cats' if i % 3 else 'markets'} and mats" for i in range(70)]
+    documents = [f"document {i} about {'cats' if i % 3 else 'markets'} and mats " * 20 for i in range(70)]
     try:
-        (result,) = engine._rerank_all([("cat on a mat", documents, False)])  # calls of 32, 32 and 6
+        (result,) = engine._rerank_all([("cat on a mat", documents, False)])  # calls of 32 x 512 tokens
         whole = [(int(i), float(s)) for i, s in engine._pipe.rerank("cat on a mat", documents)]
     finally:
         engine.close()
@@ -77,7 +78,8 @@ def test_real_request_above_max_batch_ranks_as_one_call() -> None:
 def test_a_gone_request_s_remaining_calls_are_skipped_and_the_others_are_scored() -> None:
     pipe = Pipe()
     counter = TokenCounter(lambda: pytest.fail("the exact tokenizer is not needed here"), Words())
-    engine = OpenVINOReranker(SPEC, pipe, counter, 0.0, BatchOptions(max_batch=2))
+    counter.confirmed = lambda texts, counts, near, special=True: counts  # type: ignore[method-assign]
+    engine = OpenVINOReranker(SPEC, pipe, counter, 0.0, BatchOptions(max_batch=2), max_length=6)
     left, stays = Inputs(["a", "bb", "ccc", "dddd"]), Inputs(["x", "yy", "zzz"])
     rerank = pipe.rerank
 

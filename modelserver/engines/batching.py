@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 
 from modelserver.engines.media_base import SerialWorker
 
-__all__ = ["Abandoned", "BatchOptions", "Batcher", "Inputs", "split"]
+__all__ = ["Abandoned", "BatchOptions", "Batcher", "Inputs", "calls", "split"]
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -187,6 +187,27 @@ class Batcher(Generic[Req, Res]):
         self._expected = len(batch) + len(self._pending)
         self._return_by = time.monotonic() + (max(self._wait_s, call_s / 4) if self._wait_s > 0 else 0.0)
         self._consider()
+
+
+def calls(tokens: Sequence[int], budget: int) -> list[range]:
+    """``tokens`` (each input's count, in order) cut into consecutive pipeline calls whose inputs, padded to the
+    call's longest, hold at most ``budget`` tokens (a call holds one input at least, however long).
+
+    One call's memory grows with its padded tokens, and the CPU plugin keeps it: 2048 inputs of ~240 tokens in
+    one call left minilm's server at 8.4 GB resident, in calls of 32 at 0.4 GB. Short inputs still go in one
+    call: each call costs ~3 ms more (64 short texts in two calls of 32 took ~20% longer than in one).
+    """
+    pieces: list[range] = []
+    start, longest = 0, 0
+    for at, count in enumerate(tokens):
+        wider = max(longest, count)
+        if at > start and (at - start + 1) * wider > budget:
+            pieces.append(range(start, at))
+            start, wider = at, count
+        longest = wider
+    if start < len(tokens):
+        pieces.append(range(start, len(tokens)))
+    return pieces
 
 
 def split(flat: Sequence[Res], sizes: Sequence[int]) -> list[list[Res]]:

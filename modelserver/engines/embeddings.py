@@ -15,7 +15,8 @@ so a request refused for a long input only has its vectors dropped), else before
 ``query_instruction`` and ``embed_instruction`` (prefixes the model was trained with; the
 OpenAI API has no query/document distinction, so inputs are embedded as documents),
 ``batch_wait_ms`` (default 2) and ``max_batch`` (inputs per pipeline call, default 32: a request with more
-is embedded in calls of that many, as one call's memory grows with its inputs),
+is embedded in calls of at most ``max_batch`` x ``max_length`` padded tokens, as one call's memory grows
+with its tokens and stays),
 ``matryoshka`` (the model was trained so that a prefix of each vector is an embedding:
 requests may then send ``dimensions``). ``pooling``, ``normalize``, ``max_length`` and
 ``matryoshka`` default to what the folder's sentence-transformers files declare
@@ -40,6 +41,7 @@ from modelserver.engines.batching import (
     Batcher,
     BatchOptions,
     Inputs,
+    calls,
     gone,
     split,
 )
@@ -53,7 +55,7 @@ from modelserver.errors import LoadError, RequestError
 from modelserver.modelfiles import context_length
 from modelserver.spec import ModelSpec
 
-__all__ = ["OPTIONS", "OpenVINOEmbedder", "batch_options", "load"]
+__all__ = ["OPTIONS", "UNLIMITED_TOKENS", "OpenVINOEmbedder", "batch_options", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ POOLING = {"cls": "CLS", "mean": "MEAN", "last_token": "LAST_TOKEN"}
 
 #: One input's answer inside a batch: its vector and its token count.
 Row = tuple[list[float], int]
+#: ``max_length`` for the size of a pipeline call where the model declares none.
+UNLIMITED_TOKENS = 512
 
 #: One request inside a batch: its texts, and whether an input above ``max_length`` is cut (else a 400).
 Job = tuple[list[str], bool]
@@ -157,49 +161,46 @@ class OpenVINOEmbedder:
     def _embed_all(self, jobs: list[Job]) -> list[list[Row] | BaseException]:
         """On the worker: every job's token counts (:mod:`~modelserver.engines.counting`) and the pipeline calls.
 
-        With ``max_length`` set the pipeline cuts every input to it, so the call starts at once with every
-        job's texts and the counts are taken while it computes (the vectors of a refused job are dropped);
-        without it only the jobs that fit are embedded, after the count.
+        Up to ``max_batch`` inputs with ``max_length`` set (the pipeline cuts every input to it): one call,
+        started at once with every job's texts, the counts taken while it computes (the vectors of a refused
+        job are dropped). More inputs, or no ``max_length``: the count first, then only the jobs that fit, in
+        calls of at most ``max_batch`` x ``max_length`` padded tokens (:func:`~modelserver.engines.batching.calls`).
         """
         sizes = [len(texts) for texts, _ in jobs]
         every = [text for texts, _ in jobs for text in texts]
-        step = self._batching.max_batch
+        overlapped = bool(self._config.max_length) and len(every) <= self._batching.max_batch
         try:
-            if not self._config.max_length:
-                counts, refusals = self._counted(jobs, every, sizes)
-                accepted = [texts for (texts, _), refusal in zip(jobs, refusals, strict=True) if refusal is None]
-                flat = [text for texts in accepted for text in texts]
-                vectors = iter(split(self._embedded(flat, 0, jobs), [len(t) for t in accepted]))
-            else:
-                self._pipe.start_embed_documents_async(every[:step])
+            if overlapped:
+                self._pipe.start_embed_documents_async(every)
                 try:
                     counts, refusals = self._counted(jobs, every, sizes)
                 finally:  # the call runs to its end whatever the count did: the pipeline takes one call at a time
                     computed = self._pipe.wait_embed_documents()
-                vectors = iter(split(self._embedded(every, step, jobs, computed), sizes))
+                vectors = iter(split(computed, sizes))
+            else:
+                counts, refusals = self._counted(jobs, every, sizes)
+                fit = [i for i, refusal in enumerate(refusals) if refusal is None]
+                flat = [text for i in fit for text in jobs[i][0]]
+                vectors = iter(split(self._embedded(flat, [n for i in fit for n in counts[i]], jobs),
+                                     [sizes[i] for i in fit]))
         except Abandoned as exc:
             return [exc] * len(jobs)
         answers: list[list[Row] | BaseException] = []
         for job_counts, refusal in zip(counts, refusals, strict=True):
-            job_vectors = next(vectors) if refusal is None or self._config.max_length else []
+            job_vectors = next(vectors) if refusal is None or overlapped else []
             answers.append(refusal or self._rows(job_vectors, job_counts))
         return answers
 
-    def _embedded(self, texts: list[str], start: int, jobs: list[Job], first: Sequence[Any] = ()) -> Sequence[Any]:
-        """``first`` (the vectors of ``texts[:start]``), then the rest's in pipeline calls of ``max_batch`` inputs;
-        :class:`Abandoned` once every job's client has left.
-
-        One call's memory grows with its inputs and the CPU plugin keeps it: 2048 inputs of 240 tokens in
-        one call left minilm's server at 8.4 GB resident, in calls of 32 at 0.4 GB.
-        """
-        step = self._batching.max_batch
-        if start >= len(texts):
-            return first
-        vectors = list(first)
-        for at in range(start, len(texts), step):
+    def _embedded(self, texts: list[str], tokens: list[int], jobs: list[Job]) -> list[Any]:
+        """The vectors of ``texts`` (of ``tokens`` each) in calls of at most ``max_batch`` x ``max_length`` padded
+        tokens; :class:`Abandoned` once every job's client has left."""
+        limit = self._config.max_length or UNLIMITED_TOKENS
+        padded = [limit] * len(tokens) if getattr(self._config, "pad_to_max_length", False) else tokens
+        vectors: list[Any] = []
+        for piece in calls([min(n, limit) for n in padded], self._batching.max_batch * limit):
             if all(gone(job_texts) for job_texts, _ in jobs):
-                raise Abandoned(f"every request's client left; {len(texts) - at} inputs not embedded")
-            vectors += self._pipe.embed_documents(texts[at : at + step])
+                raise Abandoned(f"every request's client left; {len(texts) - piece.start} inputs not embedded")
+            vectors += self._pipe.embed_documents(texts[piece.start : piece.stop])
         return vectors
 
     def _counted(self, jobs: list[Job], every: list[str], sizes: list[int]) -> tuple[list[list[int]],

@@ -18,9 +18,9 @@ A query + document longer than ``max_length`` (default: ``config.json``
 query + document + the pair's special tokens).
 
 ``options`` (all optional): ``max_length``, ``pad_to_max_length``, ``padding_side``,
-``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32; also the documents of one
-pipeline call: a request with more is scored in calls of that many, as one call's memory grows with its
-documents and stays, and the rankings merged).
+``batch_wait_ms`` (default 2) and ``max_batch`` (requests per batch, default 32; a request's documents go in
+pipeline calls of at most ``max_batch`` x ``max_length`` padded query-document tokens, as one call's memory
+grows with its tokens and stays, and the rankings are merged).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 
 import openvino_genai as ov_genai
 
-from modelserver.engines.batching import Abandoned, Batcher, BatchOptions, Inputs, gone, split
+from modelserver.engines.batching import Abandoned, Batcher, BatchOptions, Inputs, calls, gone, split
 from modelserver.engines.context import check_inputs
 from modelserver.engines.counting import TokenCounter, load_counter, near_limit
-from modelserver.engines.embeddings import BATCHING, batch_options
+from modelserver.engines.embeddings import BATCHING, UNLIMITED_TOKENS, batch_options
 from modelserver.engines.media_base import RerankResult, SerialWorker
 from modelserver.engines.ov_options import COUNTING_TOKENIZER, one_line, ov_properties
 from modelserver.engines.task_options import ir_folder, task_options
@@ -109,14 +109,16 @@ class OpenVINOReranker:
     def _ranked(self, query: str, documents: list[str], counts: list[int]) -> RerankResult | Abandoned:
         """``counts``: the query's tokens, then each document's (special tokens excluded); :class:`Abandoned` once
         the request's client has left."""
-        step = self._batching.max_batch  # one call's memory grows with its documents (and stays): calls of max_batch
-        ranking: list[tuple[int, float]] = []
-        for at in range(0, len(documents), step):
-            if gone(documents):
-                return Abandoned(f"the client left; {len(documents) - at} documents not scored")
-            ranking += [(at + int(i), float(score)) for i, score in self._pipe.rerank(query, documents[at : at + step])]
-        ranking.sort(key=lambda pair: -pair[1])
         query_tokens, *document_tokens = counts
+        limit = self._max_length or UNLIMITED_TOKENS  # one call's memory grows with its padded pairs (and stays)
+        pairs = [min(query_tokens + n + self._pair_tokens, limit) for n in document_tokens]
+        ranking: list[tuple[int, float]] = []
+        for piece in calls(pairs, self._batching.max_batch * limit):
+            if gone(documents):
+                return Abandoned(f"the client left; {len(documents) - piece.start} documents not scored")
+            ranking += [(piece.start + int(i), float(score))
+                        for i, score in self._pipe.rerank(query, documents[piece.start : piece.stop])]
+        ranking.sort(key=lambda pair: -pair[1])
         return RerankResult(ranking=ranking, prompt_tokens=query_tokens * len(documents) + sum(document_tokens))
 
     def _near(self, counts: list[int]) -> bool:
