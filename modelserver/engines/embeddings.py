@@ -2,11 +2,13 @@
 
 Concurrent requests are batched (:mod:`modelserver.engines.batching`): the inputs of the
 requests that meet within ``batch_wait_ms`` (or while a batch runs) go to the pipeline in
-one call on the model's :class:`~modelserver.engines.media_base.SerialWorker`, and each
-request gets its own rows back. ``usage.prompt_tokens`` counts the model's own tokens
-(the tokenizer's attention mask, capped at ``max_length``); with ``max_length`` known the
-count is taken while the pipeline computes (it cuts every input to ``max_length`` itself,
-so a request refused for a long input only has its vectors dropped), else before the call.
+one call on the model's :class:`~modelserver.engines.media_base.SerialWorker` (a batch of more
+than ``max_batch`` inputs: in calls of at most ``max_batch`` x ``max_length`` padded tokens),
+and each request gets its own rows back. ``usage.prompt_tokens`` counts the model's own tokens
+(the tokenizer's attention mask, capped at ``max_length``); with ``max_length`` known and at
+most ``max_batch`` inputs the count is taken while the pipeline computes (it cuts every input
+to ``max_length`` itself, so a request refused for a long input only has its vectors dropped),
+else before the calls.
 
 ``options`` (all optional): ``pooling`` (cls | mean | last_token), ``normalize`` (L2),
 ``max_length`` (default: what the folder declares, else ``config.json``
