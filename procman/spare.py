@@ -196,10 +196,15 @@ class SparePool:
             raise
 
     def _take(self, spec: SpareSpec, argv: Sequence[str], env: Mapping[str, str], cwd: str | None) -> Spare | None:
-        """The first live spare that would run exactly what a fresh process would, out of the pool; stale ones die."""
+        """The first live spare that would run exactly what a fresh process would, out of the pool; stale ones and
+        stopped ones (SIGSTOP: taken, it would hang the start until ``startup_timeout_s``) die."""
         stamp: Fingerprint | None = None
         for spare in list(self.spares):
             if spare.going or spare.handle.returncode is not None:
+                continue
+            if getattr(spare.handle, "stopped", lambda: False)() is True:  # it would hang the start it is given
+                log.warning("%s is stopped by a signal (SIGSTOP from outside); replacing it", spare.name)
+                self._kill(spare)
                 continue
             if spare.cwd != cwd or _comparable(spare.env, spec) != _comparable(env, spec):
                 continue

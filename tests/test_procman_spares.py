@@ -129,6 +129,22 @@ async def test_a_stale_spare_is_killed_and_the_start_is_fresh(tmp_path: Path) ->
         await pm.shutdown()
 
 
+async def test_a_spare_stopped_by_sigstop_is_killed_and_the_start_is_fresh(
+    pool: tuple[ProcessManager, SparePool],
+) -> None:
+    # taken, a stopped spare hung the cold start until startup_timeout_s (180 s by default)
+    pm, spares = pool
+    backend = pm.add(fake("a"))
+    spares.start()
+    await eventually(lambda: len(ready_pids(spares)) == 1, 60.0, "a spare")
+    stopped = ready_pids(spares)[0]
+    os.kill(stopped, signal.SIGSTOP)
+    await eventually(lambda: spares.spares[0].handle.stopped(), 30.0, "the spare stopped")  # type: ignore[attr-defined]
+    await backend.ensure_ready()
+    assert backend.pid != stopped and spares.fresh == 1 and spares.taken == 0
+    await eventually(lambda: gone(stopped), 30.0, "the stopped spare killed")
+
+
 async def test_a_config_change_retires_the_spares_and_count_0_keeps_none(pool: tuple[ProcessManager, SparePool],
                                                                         ) -> None:
     pm, spares = pool
