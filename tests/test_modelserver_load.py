@@ -36,6 +36,13 @@ def test_not_a_model_file(tmp_path: Path) -> None:
     assert_fails_to_load({"path": str(fake)}, "fake.gguf")
 
 
+def test_an_embeddings_folder_under_task_llm_names_the_task_to_set(demo_gguf: Path) -> None:
+    folder = demo_gguf.parent / "minilm-ov"
+    assert_fails_to_load({"path": str(folder), "task": "llm"},
+                         f"{folder} looks like an embeddings model (config.json architectures: BertModel)",
+                         "set task: embeddings")
+
+
 def test_unknown_scheduler_field_is_named(demo_gguf: Path) -> None:
     assert_fails_to_load(
         {"path": str(demo_gguf), "scheduler": {"max_num_seqz": 4}}, "scheduler.max_num_seqz", "max_num_seqs"

@@ -37,6 +37,7 @@ from modelserver.engines.ov_options import (
     remembered,
     scheduler_config,
 )
+from modelserver.engines.task_check import check_generative
 from modelserver.engines.task_options import task_options
 from modelserver.engines.tokens import TokenizerIds
 from modelserver.errors import EngineError, LoadError, RequestError
@@ -495,6 +496,7 @@ def load(spec: ModelSpec) -> OpenVINOTextGenerator:
     started = time.monotonic()
     option = task_options(spec, OPTIONS).get("context_length")
     source = prepare_source(spec)
+    check_generative(spec, source.path)
     context = configured_context(spec.name, context_length(source.original or source.path), option)
     properties = ov_properties(spec)
     if llm_first.wanted(spec, source, task_options(spec, OPTIONS).get("first_answer")):

@@ -28,6 +28,7 @@ from modelserver.engines.context import PromptCounter, configured_context
 from modelserver.engines.llm import OPTIONS, chat_history, generation_config, render_chat, request_text
 from modelserver.engines.media_base import SerialWorker, VisionRequest
 from modelserver.engines.ov_options import one_line, ov_properties, remembered
+from modelserver.engines.task_check import check_generative
 from modelserver.engines.task_options import ir_folder, task_options
 from modelserver.engines.tokens import TokenizerIds
 from modelserver.errors import LoadError
@@ -204,6 +205,7 @@ CPU_PROPERTIES: dict[str, Any] = {"ATTENTION_BACKEND": "SDPA"}
 def load(spec: ModelSpec) -> OpenVINOVisionGenerator:
     started = time.monotonic()
     path = ir_folder(spec, ("openvino_language_model.xml", "openvino_tokenizer.xml"))
+    check_generative(spec, path)
     option = task_options(spec, OPTIONS).get("context_length")
     context = configured_context(spec.name, context_length(path), option)
     properties = ov_properties(spec)
