@@ -917,6 +917,8 @@ class Backend:
                 return m.Started("aborted")
             where = self._rt.locate(self, self.name) if self._rt.locate is not None else None
             running = await process.launch(self._rt, self.spec, self.logs, abort, where)
+        except process.Stopped as outside:
+            return m.Started("stopped", has_process=True, payload=outside.running)
         except process.Aborted as stopped:
             return m.Started("aborted", has_process=True, payload=stopped.running)
         except NoRoom as refused:

@@ -83,10 +83,12 @@ class Retune:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A start ended: ``ok``, ``failed`` (error), ``refused`` (no room, nothing spawned), ``aborted``."""
+    """A start ended: ``ok``, ``failed`` (error), ``refused`` (no room, nothing spawned), ``aborted``, or
+    ``stopped``: its process was found stopped by a signal (SIGSTOP, SIGTSTP) before it was ready — from outside,
+    as ``Hung.outside``: it is killed and started again at once, and no failure is counted."""
 
-    outcome: Literal["ok", "failed", "refused", "aborted"]
-    has_process: bool = False  # aborted: a live process is left to terminate
+    outcome: Literal["ok", "failed", "refused", "aborted", "stopped"]
+    has_process: bool = False  # aborted, stopped: a live process is left to terminate
     payload: Any = field(default=None, compare=False)  # the Running or the error, for the owner
 
 

@@ -446,10 +446,13 @@ def _on_started(state: State, e: Started, c: Counters, p: Policy, now: float) ->
                        auto=False, died=False)
         effects = (Notify("start", c.reason), Watch(), *_arm_idle(c, p, now), Wake())
         return Decision(S.READY, c, effects)
-    if e.outcome == "ok" or (e.outcome == "aborted" and e.has_process):  # STARTING -> STOPPING
+    if e.outcome == "stopped" and c.abort is None:  # STARTING -> STOPPING -> STARTING: stopped from outside
+        # (as a READY process's Hung.outside: killed at once and started again, no failure counted; waiters stay)
+        return Decision(S.STOPPING, c._replace(then="start"), (Notify("restart", "hang"), Terminate(False)))
+    if e.outcome in ("ok", "stopped") or (e.outcome == "aborted" and e.has_process):  # STARTING -> STOPPING
         then: Then = "start" if c.abort == "reload" else "stop"
         c = c._replace(then=then, reason=c.abort or c.reason, abort=None, auto=False)
-        return Decision(S.STOPPING, c, (Terminate(),))
+        return Decision(S.STOPPING, c, (Terminate(e.outcome != "stopped"),))
     if e.outcome == "aborted" or (e.outcome == "refused" and c.abort is not None):  # nothing was spawned
         return _aborted_early(c)  # (a start refused room as it was interrupted: the interruption wins)
     if e.outcome == "refused":  # STARTING -> STOPPED / BACKOFF: no room, nothing spawned, no failure counted

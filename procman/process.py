@@ -33,6 +33,7 @@ __all__ = [
     "READY_ENV",
     "READY_PREFIX",
     "Running",
+    "Stopped",
     "TOKEN_ENV",
     "child_command",
     "exit_death",
@@ -95,6 +96,15 @@ class Aborted(Exception):
         self.running = running
 
 
+class Stopped(Aborted):
+    """The starting process was found stopped by a signal (SIGSTOP, SIGTSTP): someone outside stopped it, and it
+    would hang the start until ``startup_timeout_s``; ``running`` is the still-alive process to kill."""
+
+    def __init__(self, running: Running) -> None:
+        super().__init__(running)
+        self.args = (f"pid={running.pid} was found stopped by a signal while starting",)
+
+
 async def launch(
     rt: Runtime[Any], spec: BackendSpec, logs: LogBuffer, abort: asyncio.Event, where: Where | None = None
 ) -> Running:
@@ -103,7 +113,8 @@ async def launch(
     ``where``: the node placement chose (an engine with nodes): the process listens on that
     node's address and gets a fresh random bearer token (:data:`TOKEN_ENV`) that it requires.
     Raises StartFailed / StartTimeout (the process is already gone), BackendUnavailable for
-    a remote that does not answer or no free address, Aborted when ``abort`` is set.
+    a remote that does not answer or no free address, Aborted when ``abort`` is set, Stopped (an Aborted)
+    when the process is found stopped by a signal (asked at each poll: a stopped process never answers).
     """
     if spec.remote:
         return await _reach_remote(rt, spec)
@@ -253,6 +264,8 @@ def _check_alive(spec: BackendSpec, running: Running, logs: LogBuffer, aborted: 
         raise StartFailed(_quote(f"{spec.name} exited with code {code} while starting{on}", tail), code, tail)
     if aborted.done():
         raise Aborted(running)
+    if stopped(running):
+        raise Stopped(running)
 
 
 async def _probe(rt: Runtime[Any], spec: BackendSpec, address: Address, timeout_s: float) -> Health | None:

@@ -196,6 +196,12 @@ async def start_next(rt: Runtime[B], backend: B, name: str, logs: LogBuffer, rol
         rt.changed(backend)
         where = rt.locate(backend, roll.key) if rt.locate is not None else None
         running = await process.launch(rt, roll.spec, logs, roll.abort, where)
+    except process.Stopped as outside:  # stopped by a signal as it started: killed, and the old one keeps serving
+        try:
+            await process.kill(rt, roll.spec, outside.running, logs)
+        finally:
+            rt.allocator.release(outside.running.address)
+        return NextStarted("failed", BackendUnavailable(f"{name}: {outside}"))
     except process.Aborted as stopped:
         return NextStarted("aborted", stopped.running)
     except BackendUnavailable as exc:

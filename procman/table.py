@@ -49,6 +49,7 @@ ROWS: list[tuple[str, State, Counters, Event]] = [
     ("no room: busy models fill the scope", S.STARTING, C, Started("refused")),
     ("unload during a start", S.STARTING, C, Stop("unload")),
     ("...the interrupted start's process", S.STARTING, C._replace(abort="unload"), Started("aborted", True)),
+    ("the starting process is stopped by SIGSTOP", S.STARTING, C._replace(reason="cold"), Started("stopped", True)),
     ("a request, ready", S.READY, C, Want(count=True)),
     ("unload, requests in flight", S.READY, C._replace(in_flight=1), Stop("unload")),
     ("...the last of them ended", S.READY, C._replace(in_flight=1, draining=True), Done()),

@@ -402,6 +402,33 @@ async def test_a_hang_restart_of_a_process_stopped_from_outside_counts_no_failur
     assert backend.state is State.READY and backend.failures == 1 and backend.restarts == 2
 
 
+async def test_a_process_stopped_from_outside_while_it_starts_is_killed_and_started_again_at_once(
+        h: Harness) -> None:
+    """SIGSTOP during the load hung the start until startup_timeout_s, then counted a failed start: found stopped
+    at a readiness poll, it is killed and started again at once (past max_retries too, no failure counted), and
+    the waiting caller gets the process that answers."""
+    policy = RestartPolicy(max_retries=1, backoff_base_s=30.0, backoff_max_s=60.0)
+    stops = 3
+
+    def stopped_while_loading(proc: FakeProcess) -> None:
+        if len(h.spawner.procs) <= stops:
+            proc.sigstopped, proc.healthy = True, False  # state T: no probe answers
+
+    h.spawner.on_spawn = stopped_while_loading
+    backend = h.add(startup_timeout_s=120.0, policy=policy)
+    began = h.clock.now
+    waiter = asyncio.ensure_future(backend.ensure_ready())
+    for _ in range(20):
+        if waiter.done():
+            break
+        await h.clock.advance(1.0)
+    address = await asyncio.wait_for(waiter, 5.0)
+    assert h.clock.now - began < 60.0 and address == backend.address  # fake seconds: far below startup_timeout_s
+    assert [p.signals for p in h.spawner.procs] == [[signal.SIGKILL]] * stops + [[]]
+    assert backend.state is State.READY and backend.pid == h.spawner.last.pid
+    assert backend.failures == 0 and backend.restarts == stops and backend.starts == 1
+
+
 async def test_one_good_probe_resets_the_hang_count(h: Harness) -> None:
     backend = h.add(health_interval_s=10.0, health_failures=3)
     await backend.ensure_ready()

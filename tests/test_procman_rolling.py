@@ -192,6 +192,23 @@ async def test_a_new_process_that_fails_leaves_the_old_one_serving(h: Harness) -
         assert lease.pid == pid
 
 
+async def test_a_new_process_stopped_by_a_signal_as_it_starts_is_killed_and_the_old_one_keeps_serving(
+        h: Harness) -> None:
+    heard = rolled(h)
+    a = h.add("a", startup_timeout_s=120.0)
+    await a.ensure_ready()
+    pid = a.pid
+
+    def stopped(proc: FakeProcess) -> None:
+        proc.sigstopped, proc.healthy = True, False  # SIGSTOP: state T, its probes go unanswered
+
+    h.spawner.on_spawn = stopped
+    await h.clock.run(a.replace(fake_spec("a", **NEW_SPEC), rolling=True))
+    assert h.spawner.last.signals == [signal.SIGKILL] and not h.spawner.last.alive
+    assert a.pid == pid and a.state is State.READY and a.failures == 0
+    assert [n.phase for n in heard] == ["starting", "failed"] and "found stopped" in (heard[-1].error or "")
+
+
 async def test_without_room_for_both_the_change_is_stop_first(h: Harness) -> None:
     heard = rolled(h)
     a, b, c = h.add("a"), h.add("b"), h.add("c")

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.router_helpers import RunningRouter, fake_model, running_router, write_config
@@ -186,6 +187,32 @@ async def test_a_lone_request_in_a_process_stopped_by_sigstop_is_retried_not_nam
         answer = await pending
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == long, answer.text
         assert backend.pid != pid and "no heartbeat" in (backend.last_error or "")
+
+
+def model_pids() -> list[int]:
+    """This test's model server processes (children of the router in this process), oldest first."""
+    found = [p for p in psutil.Process().children(recursive=True) if "modelserver" in " ".join(p.cmdline())]
+    return [p.pid for p in sorted(found, key=lambda p: p.create_time())]
+
+
+async def test_a_process_stopped_by_sigstop_while_it_starts_is_relaunched_at_once_and_not_counted(
+    tmp_path: Path,
+) -> None:
+    """A SIGSTOP during the load hung the cold start until startup_timeout_s (120 s here, 180 s by default), then
+    counted as a failed start. Found stopped at the next readiness poll, it is killed and started again at once,
+    and the waiting request is answered by the relaunch."""
+    health = {"health_timeout_s": 1, "startup_timeout_s": 120}
+    model = fake_model(fake={"load_s": 2.0, "token_delay_s": 0.005}, **health)  # seconds to stop it in
+    async with running_router(write_config(tmp_path, {"echo": model})) as router:
+        backend = router.backend("echo")
+        pending = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat("hello"), timeout=120))
+        await wait_for(lambda: bool(model_pids()))
+        stopped = model_pids()[0]
+        os.kill(stopped, signal.SIGSTOP)  # mid-load: no readiness line, no health answer, state T
+        answer = await asyncio.wait_for(pending, 60)  # far below startup_timeout_s
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "hello", answer.text
+        assert backend.pid != stopped and not psutil.pid_exists(stopped)  # killed and reaped
+        assert backend.failures == 0 and backend.restarts == 1 and backend.starts == 1
 
 
 async def test_a_non_streamed_generation_that_stalls_is_found_by_its_heartbeats(tmp_path: Path) -> None:
