@@ -10,6 +10,7 @@ tests/test_router_inprocess.py, tests/test_router_suspects.py and tests/test_rou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -189,10 +190,13 @@ async def test_a_lone_request_in_a_process_stopped_by_sigstop_is_retried_not_nam
         assert backend.pid != pid and "no heartbeat" in (backend.last_error or "")
 
 
-def model_pids() -> list[int]:
-    """This test's model server processes (children of the router in this process), oldest first."""
-    found = [p for p in psutil.Process().children(recursive=True) if "modelserver" in " ".join(p.cmdline())]
-    return [p.pid for p in sorted(found, key=lambda p: p.create_time())]
+def model_pids(config: Path) -> list[int]:
+    """The model server processes started with ``config`` (children of the router in this process), oldest first."""
+    found: list[tuple[float, int, str]] = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            found.append((child.create_time(), child.pid, " ".join(child.cmdline())))
+    return [pid for _, pid, line in sorted(found) if "modelserver" in line and str(config) in line]
 
 
 async def test_a_process_stopped_by_sigstop_while_it_starts_is_relaunched_at_once_and_not_counted(
@@ -203,11 +207,12 @@ async def test_a_process_stopped_by_sigstop_while_it_starts_is_relaunched_at_onc
     and the waiting request is answered by the relaunch."""
     health = {"health_timeout_s": 1, "startup_timeout_s": 120}
     model = fake_model(fake={"load_s": 2.0, "token_delay_s": 0.005}, **health)  # seconds to stop it in
-    async with running_router(write_config(tmp_path, {"echo": model})) as router:
+    path = write_config(tmp_path, {"echo": model})
+    async with running_router(path) as router:
         backend = router.backend("echo")
         pending = asyncio.create_task(router.client.post("/v1/chat/completions", json=chat("hello"), timeout=120))
-        await wait_for(lambda: bool(model_pids()))
-        stopped = model_pids()[0]
+        await wait_for(lambda: bool(model_pids(path)))
+        stopped = model_pids(path)[0]
         os.kill(stopped, signal.SIGSTOP)  # mid-load: no readiness line, no health answer, state T
         answer = await asyncio.wait_for(pending, 60)  # far below startup_timeout_s
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "hello", answer.text
