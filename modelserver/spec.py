@@ -182,8 +182,8 @@ class ModelSpec(_Frozen):
         description="put before the path of every request to a `command`/`url` backend (OVMS: /v3)",
     )
     env: dict[str, str] = for_launch(default_factory=dict, description=(
-        "extra environment for the model process (a model server also gets `MALLOC_ARENA_MAX=2` unless the "
-        "router's own environment sets it)"))
+        "extra environment for the model process (a model with its own starts a fresh process, never a spare "
+        "interpreter: variables read at start, such as `MALLOC_ARENA_MAX`, take effect)"))
     placement: PlacementSpec = for_launch(
         default_factory=PlacementSpec, description="engine ray: the node resources it needs, or its node"
     )

@@ -14,15 +14,10 @@ from procman import BackendSpec, RestartPolicy, SpareSpec
 from procman.process import READY_ENV, TOKEN_ENV
 from router.config import Config, RouterSettings
 
-__all__ = ["MODELSERVER_ENV", "backend_spec", "modelserver_env", "spare_argv", "spare_spec", "supervision"]
+__all__ = ["backend_spec", "spare_argv", "spare_spec", "supervision"]
 
 #: The command every model server starts with; a spare interpreter runs it with ``--spare``.
 MODELSERVER = (sys.executable, "-m", "modelserver")
-#: The environment every model server and spare interpreter gets unless the router's own sets these variables
-#: (a model's ``env:`` wins over both). glibc gives each thread that allocates an arena of its own, up to 8 per
-#: core, and OpenVINO's threads all allocate: two arenas hold SmolLM2's server at 15 MiB less after 40 streams
-#: and its load's peak at 33 MiB less, at the same CPU per token (docs/model-server-costs.md).
-MODELSERVER_ENV = {"MALLOC_ARENA_MAX": "2"}
 #: ``modelserver.spare.SPARE_FLAG`` and ``WARM_FLAG`` (the router imports no more of modelserver than its spec).
 SPARE_FLAG, WARM_FLAG = "--spare", "--warm"
 #: The libraries a spare imports for the engines it warms (``modelserver.spare.LOAD_IMPORTS`` and the engines'
@@ -55,11 +50,6 @@ def _modelserver_argv(spec: ModelSpec, router: RouterSettings, config_path: Path
     return tuple(argv)
 
 
-def modelserver_env() -> dict[str, str]:
-    """:data:`MODELSERVER_ENV` less what the router's own environment sets (a child inherits that)."""
-    return {key: value for key, value in MODELSERVER_ENV.items() if key not in os.environ}
-
-
 def _transport(spec: ModelSpec, router: RouterSettings) -> str:
     if spec.command is not None:
         return "uds" if any("${SOCKET}" in part for part in spec.command) else "tcp"
@@ -74,7 +64,7 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
     env: dict[str, str] = dict(spec.env)
     if spec.launches_modelserver:
         argv: tuple[str, ...] | None = _modelserver_argv(spec, router, config_path)
-        env = {**modelserver_env(), **env, SPEC_ENV: spec.to_env()}  # the child view: engine and launch settings
+        env = {**env, SPEC_ENV: spec.to_env()}  # the child view: engine and launch settings
     else:
         argv = spec.command
     return BackendSpec(
@@ -110,7 +100,6 @@ def spare_spec(config: Config) -> SpareSpec | None:
         serves=MODELSERVER,
         count=router.spare_interpreters,
         cwd=str(config.path.parent) if config.path is not None else None,  # backend_spec's cwd
-        env=modelserver_env(),  # what backend_spec gives every model server (a spare must match it)
         late_env=frozenset({SPEC_ENV, READY_ENV, TOKEN_ENV}),  # read by the server once assigned
         watch=(sys.executable, *_package_dirs("openvino", "openvino_genai", "uvicorn", "starlette", *WARMED_PACKAGES)),
         watch_trees=tuple(_package_dirs("modelserver")),
