@@ -34,6 +34,7 @@ from typing import IO, Any
 from modelserver.spec import ModelSpec
 
 __all__ = [
+    "ENCODER_TYPES",
     "GGUF_TOKENIZER_CAP",
     "AttentionShape",
     "attention_shape",
@@ -42,6 +43,7 @@ __all__ = [
     "gguf_context_length",
     "gguf_metadata",
     "json_file",
+    "likely_task",
     "served_context",
 ]
 
@@ -135,6 +137,31 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 def config_json(folder: Path) -> dict[str, Any]:
     """``folder/config.json`` as a mapping; ``{}`` when it is missing or not a JSON object."""
     return json_file(folder / "config.json")
+
+
+#: ``config.json`` ``model_type`` of encoder-only families: they embed text, they cannot generate it.
+ENCODER_TYPES = frozenset({
+    "albert", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra", "jina_bert", "mpnet",
+    "modernbert", "nomic_bert", "roberta", "xlm-roberta",
+})
+
+
+def likely_task(config: dict[str, Any]) -> tuple[str, str] | None:
+    """(the task a ``config.json`` says its model is for, the evidence) when that is not text generation."""
+    raw = config.get("architectures")
+    archs = [a for a in raw if isinstance(a, str)] if isinstance(raw, list) else []
+    model_type = config.get("model_type")
+    evidence = (f"config.json architectures: {', '.join(archs)}" if archs
+                else f"config.json model_type: {model_type}")
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return "rerank", evidence
+    if model_type == "whisper" or any(a.startswith("Whisper") for a in archs):
+        return "transcription", evidence
+    if model_type in ("speecht5", "kokoro") or any(a.endswith("ForTextToSpeech") for a in archs):
+        return "speech", evidence
+    if model_type in ENCODER_TYPES and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "embeddings", evidence
+    return None
 
 
 def json_file(path: Path) -> dict[str, Any]:

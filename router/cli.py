@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from router.config import Config, ConfigError, load_config, missing_paths
+from router.config import Config, ConfigError, load_config, start_warnings
 from router.statustable import status_table
 
 __all__ = ["main"]
@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %d model(s) from %s", len(config.models), config.path)
-    for warning in missing_paths(config):
+    for warning in start_warnings(config):
         log.warning("%s", warning)
     log.info("OpenAI base_url: http://%s:%d/v1  (models: %s)", shown, port, ", ".join(config.models) or "none")
     settings = config.router
@@ -125,7 +125,7 @@ def _check(args: argparse.Namespace) -> int:
     for name, spec in config.models.items():
         where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())
         print(f"  {name:<20} {spec.task:<14} {spec.device:<8} {where}")
-    for warning in missing_paths(config):
+    for warning in start_warnings(config):
         print(f"  warning: {warning}")
     return 0
 

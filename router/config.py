@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from modelserver.modelfiles import config_json, likely_task
 from modelserver.spec import (
     DEFAULT_CACHE_DIR,
     DEFAULT_STATE_DIR,
@@ -261,6 +262,28 @@ def missing_paths(config: Config, names: Iterable[str] | None = None) -> list[st
             for name, spec in chosen.items()
             if spec.engine == "openvino" and spec.path and not (spec.url or spec.command)
             and not Path(spec.path).exists()]
+
+
+def wrong_tasks(config: Config, names: Iterable[str] | None = None) -> list[str]:
+    """Valid, but these ``llm``/``vlm`` models (of ``names``; default all) are folders whose ``config.json`` says they
+    are another kind of model (:func:`modelserver.modelfiles.likely_task`): their load would fail naming the task to
+    set, so ``ovrouter check``, serve and a reload say it first."""
+    chosen = config.models if names is None else {name: config.models[name] for name in names}
+    found = []
+    for name, spec in chosen.items():
+        if spec.engine != "openvino" or spec.task not in ("llm", "vlm") or not spec.path or spec.url or spec.command:
+            continue
+        if Path(spec.path).is_dir() and (likely := likely_task(config_json(Path(spec.path)))) is not None:
+            task, evidence = likely
+            article = "an" if task[0] in "aeiou" else "a"
+            found.append(f"models.{name}.task: {spec.task}, but {spec.path} looks like {article} {task} model "
+                         f"({evidence}): set task: {task} (the model cannot start)")
+    return found
+
+
+def start_warnings(config: Config, names: Iterable[str] | None = None) -> list[str]:
+    """What would keep these models (of ``names``; default all) from starting though the config is valid."""
+    return missing_paths(config, names) + wrong_tasks(config, names)
 
 
 def load_config(path: Path) -> Config:

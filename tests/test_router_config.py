@@ -273,3 +273,24 @@ def test_forget_drops_every_series_of_a_removed_model() -> None:
     metrics.forget("gone")
     text = metrics.render().decode()
     assert 'model="gone"' not in text and text.count('model="kept"') > 10
+
+
+def test_check_warns_of_a_model_folder_configured_under_the_wrong_task(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A copied config puts an embeddings folder under task: llm: `ovrouter check` says which task to set."""
+    from router import cli
+    from router.config import start_warnings, wrong_tasks
+
+    minilm, gguf = ROOT / "models" / "minilm-ov", ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not (minilm / "config.json").exists():
+        pytest.skip("models/minilm-ov is missing: run `make test-models`")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models:\n  wrong: {{path: {minilm}}}\n  right: {{path: {minilm}, task: embeddings}}\n"
+                    f"  chat: {{path: {gguf}}}\n  fake: {{engine: fake}}\n")
+    config = load_config(path)
+    [warning] = wrong_tasks(config)
+    assert warning.startswith(f"models.wrong.task: llm, but {minilm} looks like an embeddings model (config.json ")
+    assert warning.endswith("set task: embeddings (the model cannot start)")
+    assert wrong_tasks(config, ["right", "chat", "fake"]) == [] and start_warnings(config, ["wrong"]) == [warning]
+    assert cli.main(["check", str(path)]) == 0
+    assert f"  warning: {warning}" in capsys.readouterr().out

@@ -12,38 +12,12 @@ have no ``generation_config.json``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from modelserver.errors import LoadError
-from modelserver.modelfiles import config_json
+from modelserver.modelfiles import ENCODER_TYPES, config_json, likely_task
 from modelserver.spec import ModelSpec
 
-__all__ = ["ENCODER_TYPES", "check_generative", "likely_task"]
-
-#: ``config.json`` ``model_type`` of encoder-only families: they embed text, they cannot generate it.
-ENCODER_TYPES = frozenset({
-    "albert", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra", "jina_bert", "mpnet",
-    "modernbert", "nomic_bert", "roberta", "xlm-roberta",
-})
-
-
-def likely_task(config: dict[str, Any]) -> tuple[str, str] | None:
-    """(the task a ``config.json`` says its model is for, the evidence) when that is not text generation."""
-    raw = config.get("architectures")
-    archs = [a for a in raw if isinstance(a, str)] if isinstance(raw, list) else []
-    model_type = config.get("model_type")
-    evidence = (f"config.json architectures: {', '.join(archs)}" if archs
-                else f"config.json model_type: {model_type}")
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        return "rerank", evidence
-    if model_type == "whisper" or any(a.startswith("Whisper") for a in archs):
-        return "transcription", evidence
-    if model_type in ("speecht5", "kokoro") or any(a.endswith("ForTextToSpeech") for a in archs):
-        return "speech", evidence
-    if model_type in ENCODER_TYPES and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return "embeddings", evidence
-    return None
-
+__all__ = ["ENCODER_TYPES", "check_generative", "likely_task"]  # the first and last: modelserver.modelfiles
 
 def check_generative(spec: ModelSpec, path: Path) -> None:
     """:class:`LoadError` naming the right task when ``path``'s ``config.json`` is not a text-generation model's."""

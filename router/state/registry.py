@@ -26,7 +26,7 @@ from procman import (
     SubprocessSpawner,
     Transition,
 )
-from router.config import Config, missing_paths
+from router.config import Config, start_warnings
 from router.metrics import Metrics
 from router.reload import ConfigDiff, diff
 from router.state.launch import backend_spec, spare_spec
@@ -156,7 +156,7 @@ class Registry:
         self._reindex()
         self.start_preloads(changes.added)
         log.info("config applied: added=%s changed=%s removed=%s", changes.added, changes.changed, changes.removed)
-        for warning in missing_paths(new, changes.added + changes.changed):
+        for warning in start_warnings(new, changes.added + changes.changed):
             log.warning("%s", warning)
         return changes
 
