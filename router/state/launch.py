@@ -64,7 +64,7 @@ def backend_spec(spec: ModelSpec, router: RouterSettings, config_path: Path | No
     env: dict[str, str] = dict(spec.env)
     if spec.launches_modelserver:
         argv: tuple[str, ...] | None = _modelserver_argv(spec, router, config_path)
-        env = {**env, SPEC_ENV: spec.to_env()}  # the child view: engine and launch settings
+        env[SPEC_ENV] = spec.to_env()  # the child view: engine and launch settings only
     else:
         argv = spec.command
     return BackendSpec(
