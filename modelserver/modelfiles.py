@@ -43,6 +43,7 @@ __all__ = [
     "gguf_context_length",
     "gguf_metadata",
     "json_file",
+    "a_kind",
     "likely_task",
     "served_context",
 ]
@@ -162,6 +163,11 @@ def likely_task(config: dict[str, Any]) -> tuple[str, str] | None:
     if model_type in ENCODER_TYPES and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         return "embeddings", evidence
     return None
+
+
+def a_kind(task: str, evidence: str) -> str:
+    """How a load failure and ``ovrouter check`` say what a folder is: "an embeddings model (config.json ...)"."""
+    return f"{'an' if task[0] in 'aeiou' else 'a'} {task} model ({evidence})"
 
 
 def json_file(path: Path) -> dict[str, Any]:

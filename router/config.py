@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from modelserver.modelfiles import config_json, likely_task
+from modelserver.modelfiles import a_kind, config_json, likely_task
 from modelserver.spec import (
     DEFAULT_CACHE_DIR,
     DEFAULT_STATE_DIR,
@@ -275,9 +275,8 @@ def wrong_tasks(config: Config, names: Iterable[str] | None = None) -> list[str]
             continue
         if Path(spec.path).is_dir() and (likely := likely_task(config_json(Path(spec.path)))) is not None:
             task, evidence = likely
-            article = "an" if task[0] in "aeiou" else "a"
-            found.append(f"models.{name}.task: {spec.task}, but {spec.path} looks like {article} {task} model "
-                         f"({evidence}): set task: {task} (the model cannot start)")
+            found.append(f"models.{name}.task: {spec.task}, but {spec.path} looks like {a_kind(task, evidence)}: "
+                         f"set task: {task} (the model cannot start)")
     return found
 
 

@@ -16,6 +16,7 @@ import pytest
 import soundfile
 from tasks_helpers import assert_error, audio_file, image_data_url, sse_events
 
+from modelserver.api.audio import subtitles, within
 from modelserver.app import build_app
 from modelserver.engines.fake_media import (
     FakeReranker,
@@ -23,6 +24,7 @@ from modelserver.engines.fake_media import (
     FakeTranscriber,
     FakeVisionGenerator,
 )
+from modelserver.engines.media_base import Segment, TranscriptionResult, Word
 from modelserver.errors import FATAL_HEADER
 from modelserver.spec import ModelSpec, build_model_spec
 
@@ -153,6 +155,16 @@ async def test_text_srt_and_vtt_formats(transcriber: httpx.AsyncClient) -> None:
     assert srt.text.startswith("1\n00:00:00,000 --> 00:00:05,000\nsegment 1\n\n2\n00:00:05,000 --> 00:00:06,000")
     vtt = await transcriber.post("/v1/audio/transcriptions", **upload(data, response_format="vtt"))
     assert vtt.text.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:05.000\nsegment 1\n")
+
+
+def test_stamps_past_the_audio_end_at_its_last_sample() -> None:
+    # Whisper stamps in 20 ms steps of a 30 s window: its last segment may end after the audio does
+    stamped = TranscriptionResult("a b", "en", segments=[Segment(0.0, 2.0, "a"), Segment(2.0, 30.0, "b")],
+                                  words=[Word(0.5, 1.0, "a"), Word(6.2, 6.4, "b")])
+    result = within(stamped, 6.1)
+    assert [(s.start_s, s.end_s) for s in result.segments] == [(0.0, 2.0), (2.0, 6.1)]
+    assert [(w.start_s, w.end_s) for w in result.words] == [(0.5, 1.0), (6.1, 6.1)]
+    assert subtitles(result.segments, "srt").endswith("00:00:02,000 --> 00:00:06,100\nb\n")
 
 
 async def test_translations_route(transcriber: httpx.AsyncClient) -> None:

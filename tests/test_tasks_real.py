@@ -237,7 +237,7 @@ def test_whisper_long_audio_spans_windows_and_subtitles(whisper: ModelServerProc
     assert srt.status_code == 200, srt.text
     cues = [cue.split("\n") for cue in srt.text.strip().split("\n\n")]
     assert len(cues) >= 2 and cues[0][0] == "1" and " --> " in cues[0][1]
-    assert cues[-1][1].split(" --> ")[1] > "00:00:30,000"  # a cue from the second window
+    assert "00:00:30,000" < cues[-1][1].split(" --> ")[1] <= "00:00:46,720"  # the second window's, within the audio
     assert heard(srt.text).count("bananas") >= 6
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -40,11 +41,12 @@ from modelserver.engines.media_base import (
     Transcriber,
     TranscriptionRequest,
     TranscriptionResult,
+    Word,
 )
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.protocol import parse_request
 
-__all__ = ["SpeechBody", "TranscriptionForm", "render_transcription", "routes", "subtitles"]
+__all__ = ["SpeechBody", "TranscriptionForm", "render_transcription", "routes", "subtitles", "within"]
 
 ResponseFormat = Literal["json", "text", "verbose_json", "srt", "vtt"]
 
@@ -143,9 +145,22 @@ def subtitles(segments: list[Segment], kind: Literal["srt", "vtt"]) -> str:
     return ("WEBVTT\n\n" if kind == "vtt" else "") + "\n".join(cues)
 
 
+def within(result: TranscriptionResult, duration_s: float) -> TranscriptionResult:
+    """``result`` with every segment and word inside the audio: Whisper stamps in 20 ms steps of a 30 s window, so
+    the last segment may end past the audio's last sample (a subtitle shown after the file ends)."""
+
+    def clamp(start_s: float, end_s: float) -> tuple[float, float]:
+        end = min(max(end_s, 0.0), duration_s)
+        return min(max(start_s, 0.0), end), end
+
+    return replace(result, segments=[Segment(*clamp(s.start_s, s.end_s), s.text) for s in result.segments],
+                   words=[Word(*clamp(w.start_s, w.end_s), w.word) for w in result.words])
+
+
 def render_transcription(result: TranscriptionResult, fields: TranscriptionForm, task: str, duration_s: float,
                          ) -> Response:
     fmt = fields.response_format
+    result = within(result, duration_s)
     if fmt == "text":
         return PlainTextResponse(result.text.strip() + "\n")
     if fmt in ("srt", "vtt"):

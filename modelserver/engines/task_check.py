@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from modelserver.errors import LoadError
-from modelserver.modelfiles import ENCODER_TYPES, config_json, likely_task
+from modelserver.modelfiles import ENCODER_TYPES, a_kind, config_json, likely_task
 from modelserver.spec import ModelSpec
 
 __all__ = ["ENCODER_TYPES", "check_generative", "likely_task"]  # the first and last: modelserver.modelfiles
@@ -27,5 +27,5 @@ def check_generative(spec: ModelSpec, path: Path) -> None:
     if found is None:
         return
     task, evidence = found
-    raise LoadError(f"models.{spec.name}: {spec.path} looks like {'an' if task[0] in 'aeiou' else 'a'} {task} model "
-                    f"({evidence}), not one for task: {spec.task}; set task: {task}")
+    raise LoadError(f"models.{spec.name}: {spec.path} looks like {a_kind(task, evidence)}, not one for task: "
+                    f"{spec.task}; set task: {task}")
