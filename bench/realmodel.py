@@ -20,7 +20,7 @@ import aiohttp
 
 from bench import plots
 from bench.common import Context, Section, SectionSkipped, Table, median, ratio
-from bench.procs import ROOT, free_port, wait_http
+from bench.procs import ROOT, free_port, http_get, wait_http, wait_until
 from bench.routerctl import Router, router_config, start_router
 
 __all__ = ["DEMO_GGUF", "StreamStats", "real_model", "require_model", "run", "stream_chat"]
@@ -109,6 +109,12 @@ def measure(url: str, streams: int, requests_each: int, max_tokens: int) -> tupl
         return runner.run(_concurrent(url, streams, requests_each, max_tokens))
 
 
+def _pipeline(health_url: str) -> str | None:
+    """The pipeline a model server's ``/health`` names ("" when it names none; None when it did not answer)."""
+    status, body = http_get(health_url)
+    return str(json.loads(body).get("pipeline", "")) if status == 200 else None
+
+
 def _start_pair(ctx: Context) -> tuple[Router, str]:
     """The router with smollm2 loaded (it converts the IR once), then a direct model server on the same config."""
     tmp = ctx.section_tmp("model")
@@ -117,8 +123,12 @@ def _start_pair(ctx: Context) -> tuple[Router, str]:
     port = free_port()
     argv = [ctx.python, "-m", "modelserver", "--config", str(router.config_path), "--model", MODEL, "--port", str(port)]
     proc = ctx.procs.spawn("model-direct", argv)
+    health = f"http://127.0.0.1:{port}/health"
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout_s=300)
+        wait_http(health, proc, timeout_s=300)
+        # as Router.load does for the routed one: measured on the continuous-batching pipeline, not the first answers'
+        wait_until(lambda: _pipeline(health) not in ("stateful", None), 300,
+                   "the direct server on its continuous-batching pipeline", interval_s=0.1)
     except (RuntimeError, TimeoutError) as exc:
         raise RuntimeError(f"{exc}\n{ctx.procs.log_tail('model-direct')}") from None
     return router, f"http://127.0.0.1:{port}"
