@@ -11,7 +11,8 @@ engines) and the modules its load imports later (:data:`LOAD_IMPORTS`). Then it 
 ``{"argv": [...], "env": {...}, "cwd": "..."}``, the command line, environment and folder
 a fresh ``python -m modelserver`` would have been started with. It takes them (the whole
 environment replaced, the folder changed, stdin pointed at ``/dev/null``) and runs exactly
-what ``python -m modelserver`` runs; its start marks begin at the assignment.
+what ``python -m modelserver`` runs; its start marks begin at the assignment, and ``ps`` shows
+that command line from then on (``setproctitle``).
 
 End of input (the router stopped, retired the spare, or died) exits 0 at once; so does a
 line that is not an assignment for ``python -m modelserver`` (status 2, with the reason).
@@ -22,9 +23,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import setproctitle
 
 from modelserver import startup
 
@@ -112,6 +116,9 @@ def _assignment(line: bytes) -> tuple[list[str], dict[str, str], str | None]:
 
 
 def _take(argv: list[str], env: dict[str, str], cwd: str | None) -> None:
+    # ps, top and pgrep -f show the model's own command line, not "--spare --warm ...": the process is that model's
+    # now. Before the environment is replaced: setproctitle finds the process's argv through the environment's.
+    setproctitle.setproctitle(shlex.join(argv))
     if cwd is not None:
         os.chdir(cwd)
     os.environ.clear()

@@ -86,6 +86,8 @@ async def test_a_cold_start_takes_the_spare_announces_over_the_pipe_and_a_new_sp
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
     assert marks["spare"] < marks["assigned"] == marks["process"] <= marks["imports"] <= marks["loaded"]
     assert any(line.startswith("ovrouter-ready ") for line in first.logs.tail())
+    shown = Path(f"/proc/{spare}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    assert "-m modelserver" in shown and "--name a " in shown and "--spare" not in shown, shown  # what ps shows
     # b is still stopped: a new spare starts behind the taken one, and b's start takes it
     await eventually(lambda: len(ready_pids(spares)) == 1, 60.0, "the next spare")
     behind = ready_pids(spares)[0]
