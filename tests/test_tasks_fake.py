@@ -27,6 +27,7 @@ from modelserver.engines.fake_media import (
 from modelserver.engines.media_base import Segment, TranscriptionResult, Word
 from modelserver.errors import FATAL_HEADER
 from modelserver.spec import ModelSpec, build_model_spec
+from tests.openai_schema import check
 
 ENGINES = {"rerank": FakeReranker, "transcription": FakeTranscriber, "speech": FakeSpeechSynthesizer,
            "vlm": FakeVisionGenerator}
@@ -141,6 +142,7 @@ async def test_verbose_json_has_segments_and_words(transcriber: httpx.AsyncClien
     response = await transcriber.post(
         "/v1/audio/transcriptions", **upload(audio_file("wav", seconds=7.0), **fields))
     body = response.json()
+    check(body, "CreateTranscriptionResponseVerboseJson")  # avg_logprob, compression_ratio, no_speech_prob included
     assert body["task"] == "transcribe" and body["language"] == "en" and body["duration"] == 7.0
     assert [(s["start"], s["end"]) for s in body["segments"]] == [(0.0, 5.0), (5.0, 7.0)]
     assert [w["word"] for w in body["words"]] == body["text"].split()

@@ -24,6 +24,7 @@ from tasks_helpers import assert_error, audio_file, image_data_url, speech_file,
 
 from modelserver.engines.media_base import RerankResult
 from modelserver.spec import build_model_spec
+from tests.openai_schema import check
 
 pytestmark = pytest.mark.real_model
 
@@ -223,6 +224,7 @@ def test_whisper_transcribes_real_speech_in_every_format(whisper: ModelServerPro
 def test_whisper_verbose_json_with_segments_and_words(whisper: ModelServerProcess) -> None:
     fields = {"response_format": "verbose_json", "timestamp_granularities[]": ["segment", "word"]}
     body = transcribe(whisper, speech_file("flac"), **fields).json()
+    check(body, "CreateTranscriptionResponseVerboseJson")  # every segment field the spec requires
     assert body["language"] == "en" and body["duration"] == pytest.approx(5.72, abs=0.01)  # 4.72 s + 1 s of silence
     assert body["segments"] and all(0 <= s["start"] <= s["end"] <= 6.0 for s in body["segments"])
     words = [heard(w["word"]) for w in body["words"]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import zlib
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -157,6 +158,18 @@ def within(result: TranscriptionResult, duration_s: float) -> TranscriptionResul
                    words=[Word(*clamp(w.start_s, w.end_s), w.word) for w in result.words])
 
 
+def _segment(index: int, segment: Segment, temperature: float) -> dict[str, Any]:
+    """One ``verbose_json`` segment with every field OpenAI's ``TranscriptionSegment`` requires: the
+    pipeline reports no token ids, log probabilities or no-speech probability, so ``tokens`` is empty and
+    ``avg_logprob`` / ``no_speech_prob`` are 0.0 (the values a client's quality filters pass);
+    ``compression_ratio`` is Whisper's own measure of the text (bytes over zlib-compressed bytes)."""
+    raw = segment.text.encode()
+    ratio = len(raw) / len(zlib.compress(raw)) if raw else 0.0
+    return {"id": index, "seek": 0, "start": segment.start_s, "end": segment.end_s, "text": segment.text,
+            "tokens": [], "temperature": temperature, "avg_logprob": 0.0, "compression_ratio": round(ratio, 4),
+            "no_speech_prob": 0.0}
+
+
 def render_transcription(result: TranscriptionResult, fields: TranscriptionForm, task: str, duration_s: float,
                          ) -> Response:
     fmt = fields.response_format
@@ -172,9 +185,7 @@ def render_transcription(result: TranscriptionResult, fields: TranscriptionForm,
     body: dict[str, Any] = {"task": task, "language": result.language, "duration": round(duration_s, 3),
                             "text": result.text.strip(), "usage": usage}
     if result.segments or "segment" in (fields.timestamp_granularities or ["segment"]):
-        body["segments"] = [
-            {"id": i, "seek": 0, "start": s.start_s, "end": s.end_s, "text": s.text, "tokens": [], "temperature":
-             fields.temperature or 0.0} for i, s in enumerate(result.segments)]
+        body["segments"] = [_segment(i, s, fields.temperature or 0.0) for i, s in enumerate(result.segments)]
     if "word" in fields.timestamp_granularities:
         body["words"] = [{"word": w.word.strip(), "start": w.start_s, "end": w.end_s} for w in result.words]
     return JSONResponse(body)
