@@ -9,7 +9,7 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
 - **Known fields whose value this server cannot honour are a 400**, never silently
   dropped: ``n`` above the model's ``max_n``, the legacy ``functions``, ``top_logprobs`` > 0,
   a non-empty ``logit_bias``; for ``/v1/completions`` also ``logprobs``, ``echo``,
-  ``suffix``, ``best_of`` > 1 and more than one prompt.
+  ``suffix``, ``best_of`` > 1 and more prompts x ``n`` than ``max(max_n, 32)``.
 - ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and ``response_format`` (``json_object``,
   ``json_schema``) as OpenAI defines them; at most one output constraint per request
   (``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``, or a forced
@@ -286,6 +286,11 @@ class ChatCompletionRequest(_Sampling):
 _CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
+#: The most choices (prompts x ``n``) one ``/v1/completions`` request may ask for when ``max_n`` is lower:
+#: LangChain's ``OpenAI`` LLM sends its batches as one request of up to 20 prompts (its ``batch_size``).
+MAX_PROMPTS = 32
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -297,8 +302,11 @@ class CompletionRequest(_Sampling):
         super().refuse_unsupported(max_n)
         if self.logprobs:
             raise _unsupported("logprobs", "logprobs are not supported on /v1/completions; use the chat endpoint")
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise _unsupported("prompt", "send exactly one prompt per request (a string)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("prompt: send a string or a non-empty list of strings", param="prompt")
+        if len(self.prompts()) * self.n > max(max_n, MAX_PROMPTS):
+            raise _unsupported("prompt", f"{len(self.prompts())} prompts x n={self.n} is more than the "
+                               f"{max(max_n, MAX_PROMPTS)} choices one request may ask for; send fewer prompts")
         if self.echo:
             raise _unsupported("echo", "echo is not supported by this server")
         if self.suffix:
@@ -308,6 +316,10 @@ class CompletionRequest(_Sampling):
 
     def prompt_text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def prompts(self) -> list[str]:
+        """Every prompt: OpenAI takes a list and answers ``n`` choices for each, numbered prompt by prompt."""
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

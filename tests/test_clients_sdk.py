@@ -226,6 +226,18 @@ async def test_langchain_embeddings(router: RunningRouter) -> None:
     assert [len(v) for v in vectors] == [32, 32] and query == pytest.approx(vectors[0], rel=1e-6)
 
 
+async def test_langchain_openai_llm_batch(router: RunningRouter) -> None:
+    # LangChain's completion-model wrapper sends a batch as one /v1/completions request with a list of prompts
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.OpenAI(base_url=router.url + "/v1", api_key="unused", model="echo", max_tokens=16,
+                                  max_retries=0)
+    prompts = ["one two", "three four five", "six"]
+    assert await llm.abatch(prompts) == prompts
+    result = await llm.agenerate(prompts)
+    assert [g[0].text for g in result.generations] == prompts
+    assert result.llm_output is not None and result.llm_output["token_usage"]["prompt_tokens"] == 2 + 3 + 1
+
+
 # -- Node's openai package ---------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
 from modelserver.errors import FATAL_HEADER
 from modelserver.runtime import ModelRuntime
 from modelserver.spec import ModelSpec, build_model_spec
+from tests.openai_schema import check
 
 
 def fake_spec(task: str = "llm", **extra: Any) -> ModelSpec:
@@ -130,6 +131,24 @@ async def test_completions_shape(llm: httpx.AsyncClient) -> None:
     assert "".join(e["choices"][0]["text"] for e in events) == "p q"
 
 
+async def test_several_prompts_get_n_choices_each_numbered_prompt_by_prompt(llm: httpx.AsyncClient) -> None:
+    # LangChain's OpenAI LLM sends its batch as one list of prompts; OpenAI numbers the choices prompt * n + i
+    body = {"model": "fake", "prompt": ["a b", "c d e", "f"], "n": 2, "max_tokens": 8}
+    data = (await llm.post("/v1/completions", json=body)).json()
+    check(data, "CreateCompletionResponse")
+    assert [(c["index"], c["text"]) for c in data["choices"]] == [
+        (0, "a b"), (1, "a b"), (2, "c d e"), (3, "c d e"), (4, "f"), (5, "f")]
+    assert data["usage"] == {"prompt_tokens": 2 + 3 + 1, "completion_tokens": 2 * (2 + 3 + 1), "total_tokens": 18}
+    events = sse_events((await llm.post("/v1/completions", json={**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})).text)
+    texts: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "a b", 1: "a b", 2: "c d e", 3: "c d e", 4: "f", 5: "f"}
+    assert events[-1]["usage"] == data["usage"]
+
+
 async def test_unknown_fields_are_ignored(llm: httpx.AsyncClient) -> None:
     body = chat("still works", some_future_option={"x": 1}, parallel_tool_calls=False, user="u1")
     response = await llm.post("/v1/chat/completions", json=body)
@@ -203,7 +222,9 @@ async def test_bad_chat_requests_are_400_naming_the_problem(
     ("body", "needle"),
     [
         ({}, "prompt"),
-        ({"prompt": ["a", "b"]}, "exactly one prompt"),
+        ({"prompt": []}, "non-empty list"),
+        ({"prompt": ["a"] * 33}, "33 prompts x n=1"),
+        ({"prompt": ["a"] * 5, "n": 8}, "5 prompts x n=8"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": 12}, "prompt"),

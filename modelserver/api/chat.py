@@ -219,10 +219,12 @@ async def close_runs(request: Request, runs: list[Run], unfinished: str = "cance
     note(request, finish=",".join(run.finish or unfinished for run in runs) or unfinished)
 
 
-def _usage(runs: list[Run], shape: Shape) -> dict[str, Any]:
-    """Counts of the answer; a chat's also the prompt tokens its prefix came from the cache for."""
+def _usage(runs: list[Run], shape: Shape, n: int = 1) -> dict[str, Any]:
+    """Counts of the answer: each prompt once (runs come ``n`` per prompt), every choice's completion;
+    a chat's also the prompt tokens its prefix came from the cache for."""
     cached = cached_tokens(runs[0].stream) if isinstance(shape, ChatShape) else None
-    return usage(runs[0].stream.prompt_tokens, sum(run.stream.completion_tokens for run in runs), cached)
+    prompt_tokens = sum(run.stream.prompt_tokens for run in runs[::n])
+    return usage(prompt_tokens, sum(run.stream.completion_tokens for run in runs), cached)
 
 
 def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -234,13 +236,15 @@ def _copies(generation: GenerationRequest, n: int) -> list[GenerationRequest]:
     return [replace(generation, sampling=replace(generation.sampling, seed=seed)) for seed in seeds]
 
 
-async def _respond(request: Request, body: Body, generation: GenerationRequest, shape: Shape,
+async def _respond(request: Request, body: Body, generations: list[GenerationRequest], shape: Shape,
                    parser: str | None = None, logprobs: bool = False) -> Response:
+    """Answer ``n`` choices of each generation (one per prompt), numbered prompt by prompt as OpenAI does."""
     generator = engine_as(request, TextGenerator)
     note(request, stream=body.stream)
-    runs = await start_runs(request, generator, _copies(generation, body.n), body.stop_strings())
+    copies = [copy for generation in generations for copy in _copies(generation, body.n)]
+    runs = await start_runs(request, generator, copies, body.stop_strings())
     if body.stream:
-        return SSEResponse(_events(runs, shape, parser, logprobs, request), lambda: close_runs(request, runs))
+        return SSEResponse(_events(runs, shape, parser, logprobs, request, body.n), lambda: close_runs(request, runs))
     try:
         with engine_errors(runtime(request)):
             choices = await until_disconnect(
@@ -250,7 +254,7 @@ async def _respond(request: Request, body: Body, generation: GenerationRequest, 
         return Response(status_code=499)
     finally:
         await close_runs(request, runs)
-    return JSONResponse(shape.body(list(choices), _usage(runs, shape)))
+    return JSONResponse(shape.body(list(choices), _usage(runs, shape, body.n)))
 
 
 def logprob_entries(stream: TextStream) -> list[dict[str, Any]]:
@@ -338,7 +342,7 @@ async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
 
 
 async def _events(runs: list[Run], shape: Shape, parser: str | None, logprobs: bool,
-                  request: Request) -> AsyncIterator[bytes]:
+                  request: Request, n: int = 1) -> AsyncIterator[bytes]:
     streams = [_choice_events(run, i, shape, parser, logprobs) for i, run in enumerate(runs)]
     try:
         with engine_errors(runtime(request)):
@@ -349,7 +353,7 @@ async def _events(runs: list[Run], shape: Shape, parser: str | None, logprobs: b
         yield sse(error_body(exc))
     else:
         if shape.include_usage:
-            yield sse(shape.usage_chunk(_usage(runs, shape)))
+            yield sse(shape.usage_chunk(_usage(runs, shape, n)))
     yield b"data: [DONE]\n\n"
 
 
@@ -371,14 +375,16 @@ async def chat_completions(request: Request) -> Response:
     if tools or constraint is not None:
         note(request, tools=len(tools), constrained=constraint is not None)
     parser = generator.tool_parser if parse else None
-    return await _respond(request, body, generation, shape_for(request, ChatShape, body), parser, generation.logprobs)
+    return await _respond(request, body, [generation], shape_for(request, ChatShape, body), parser,
+                          generation.logprobs)
 
 
 async def completions(request: Request) -> Response:
     body = await read_body(request, CompletionRequest)
     body.refuse_unsupported(spec(request).max_n)
-    generation = GenerationRequest(sampling=sampling(body, spec(request).default_max_tokens), prompt=body.prompt_text())
-    return await _respond(request, body, generation, shape_for(request, TextShape, body))
+    params = sampling(body, spec(request).default_max_tokens)
+    generations = [GenerationRequest(sampling=params, prompt=prompt) for prompt in body.prompts()]
+    return await _respond(request, body, generations, shape_for(request, TextShape, body))
 
 
 routes = [

@@ -111,7 +111,7 @@ async def vlm_chat_completions(request: Request) -> Response:
     generation = await vision_request(request, body, tools, constraint)
     parser = engine_as(request, TextGenerator).tool_parser if parse else None
     shape = chat.shape_for(request, ChatShape, body)
-    return await chat._respond(request, body, generation, shape, parser)  # type: ignore[arg-type]
+    return await chat._respond(request, body, [generation], shape, parser)  # type: ignore[list-item]
 
 
 routes = [
