@@ -55,7 +55,7 @@ async def test_create_stream_and_a_stored_conversation(sdk: openai.AsyncOpenAI, 
     assert records[1].ttft_s is not None and records[1].completion_tokens == 2  # and the stream's tokens
     stored = await sdk.responses.retrieve(second.id)
     assert stored.output_text == "four five" and stored.previous_response_id == first.id
-    items = (await router.client.get(f"/v1/responses/{second.id}/input_items")).json()["data"]
+    items = (await router.client.get(f"/v1/responses/{second.id}/input_items?order=asc")).json()["data"]
     assert [item.get("role") for item in items] == ["user", "assistant", "user"]
     await sdk.responses.delete(first.id)
     with pytest.raises(openai.BadRequestError, match=first.id):
@@ -171,3 +171,26 @@ def _events(raw: str) -> list[dict[str, Any]]:
             if line.startswith("data: "):
                 found.append(json.loads(line[6:]))
     return found
+
+
+async def test_input_items_are_listed_as_item_resources_in_cursor_pages(sdk: openai.AsyncOpenAI,
+                                                                        router: RunningRouter) -> None:
+    first = await sdk.responses.create(model="echo", tools=[WEATHER], tool_choice="required", input=[
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in Oslo?"}]}])
+    call = next(item for item in first.output if item.type == "function_call")
+    second = await sdk.responses.create(model="echo", previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "4 C"},
+        {"role": "user", "content": "thanks"}])
+    raw = await router.client.get(f"/v1/responses/{second.id}/input_items")
+    check(raw.json(), "ResponseItemList")  # ids, statuses, content parts, first_id / last_id
+    newest_first = [item.type for item in (await sdk.responses.input_items.list(second.id)).data]
+    assert newest_first == ["message", "function_call_output", "function_call", "message", "message"]  # desc
+    oldest_first = [item async for item in sdk.responses.input_items.list(second.id, order="asc", limit=2)]
+    assert [item.type for item in oldest_first] == newest_first[::-1]  # the SDK followed the cursor, 2 a page
+    assert len({item.id for item in oldest_first}) == 5
+    earlier = [item async for item in sdk.responses.input_items.list(first.id, order="asc")]
+    assert [item.id for item in earlier] == [item.id for item in oldest_first[:2]]  # an item keeps its id
+    assert oldest_first[2].id == call.id and oldest_first[-1].content[0].text == "thanks"
+    bad = await router.client.get(f"/v1/responses/{second.id}/input_items?limit=500")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"

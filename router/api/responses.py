@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message, Send
 
+from router.api.responses_items import page, with_ids
 from router.api.responses_store import ResponseStore
 from router.edge.body import parse_json
 from router.edge.errors import BadRequest, NotFound
@@ -276,7 +277,8 @@ class ResponsesStream:
         prepared = self.prepared
         if prepared is None or not prepared.store or not isinstance(response.get("output"), list):
             return
-        if not self.store.put(response, [*prepared.input_items, *response["output"]]):
+        inputs = with_ids(prepared.input_items, prepared.response_id)
+        if not self.store.put(response, [*inputs, *response["output"]]):
             log.info("responses: %s not stored (over responses_store_mb or responses_store_max 0)", response.get("id"))
 
 
@@ -304,9 +306,7 @@ def stored_response_routes(service: RouterService) -> list[Route]:
     async def input_items(request: Request) -> Response:
         _, entry = stored(request)
         count = len(entry.conversation) - len(entry.response.get("output") or [])
-        items = list(entry.conversation[:count])
-        return JSONResponse({"object": "list", "data": items, "has_more": False,
-                             "first_id": None, "last_id": None})
+        return JSONResponse(page(list(entry.conversation[:count]), dict(request.query_params)))
 
     return [Route(RESPONSES_PATH + "/{id}", get, methods=["GET"]),
             Route(RESPONSES_PATH + "/{id}", delete, methods=["DELETE"]),
