@@ -74,6 +74,16 @@ async def test_smollm2_json_object_and_tools_through_the_router(tmp_path: Path, 
             assert called.choices[0].finish_reason == "tool_calls" and len(calls) == 1
             assert calls[0].function.name == "get_weather"
             jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_SCHEMA)
+
+            prompts = ["The capital of France is", "Once upon a time, a small robot"]
+            alone = [(await client.completions.create(model="smollm2", prompt=p, max_tokens=4)).usage for p in prompts]
+            raw_batch = await client.completions.with_raw_response.create(model="smollm2", prompt=prompts,
+                                                                          max_tokens=4, n=2, temperature=0.7)
+            check(json.loads(raw_batch.text), "CreateCompletionResponse")
+            batch = raw_batch.parse()  # n choices per prompt, each prompt counted once
+            assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.usage is not None
+            assert batch.usage.prompt_tokens == sum(u.prompt_tokens for u in alone if u is not None)
+            assert batch.usage.completion_tokens <= 4 * 4
         finally:
             await client.close()
         as_json = await _chat(router.url, "smollm2").with_structured_output(None, method="json_mode").ainvoke(
