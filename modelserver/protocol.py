@@ -16,7 +16,8 @@ Parameter policy, the way OpenAI-compatible servers (vLLM, llama.cpp's server) b
   ``tool_choice``); ``guided_grammar`` is a 400.
 - Extensions accepted as in vLLM: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
   ``guided_json``, ``guided_regex``, ``guided_choice``.
-- **Ranges** are field constraints here (``seed`` within the engine's unsigned 64 bits, no
+- **Ranges** are field constraints here (``seed`` an int64 or up to the engine's 2**64 - 1, a negative one
+  meaning a random seed; no
   NaN/Infinity anywhere, ...); whether prompt + ``max_tokens`` fit the model's context is the
   engine's check (:mod:`modelserver.engines.context`); a body nested deeper than
   :data:`MAX_JSON_DEPTH` is a 400 before pydantic recurses into it.
@@ -160,7 +161,7 @@ class _Sampling(_Request):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    seed: int | None = Field(None, ge=0, le=SEED_RANGE - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=SEED_RANGE - 1)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -172,6 +173,12 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, value: int | None) -> int | None:
+        """A negative seed (OpenAI's spec allows any int64) asks for a random one, as llama.cpp's -1 does."""
+        return None if value is not None and value < 0 else value
 
     @field_validator("stop", mode="before")
     @classmethod

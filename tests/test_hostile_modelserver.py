@@ -311,7 +311,7 @@ CHAT_SWEEP: list[tuple[str, Any, str]] = [
     ("top_k", 0, "greater than or equal to 1"),
     ("top_k", -1, "greater than or equal to 1"),
     ("top_k", 2**40, "less than or equal to"),
-    ("seed", -1, "greater than or equal to 0"),
+    ("seed", -(2**63) - 1, "greater than or equal to -9223372036854775808"),  # -1 is a random seed
     ("seed", 2**64, "less than or equal to 18446744073709551615"),
     ("seed", 2**70, "less than or equal to 18446744073709551615"),
     ("seed", 1.5, "valid integer"),
@@ -372,7 +372,9 @@ def test_chat_parameter_out_of_range_is_400_naming_it(server: ModelServerProcess
 
 COMPLETION_SWEEP: list[tuple[str, Any, str]] = [
     ("prompt", 5, "valid string"),
-    ("prompt", ["a", "b"], "exactly one prompt"),
+    ("prompt", [], "non-empty list"),
+    ("prompt", ["a"] * 33, "33 prompts x n=1"),
+    ("prompt", ["a", ""], "empty"),
     ("prompt", "", "empty"),
     ("logprobs", -1, "greater than or equal to 0"),
     ("logprobs", 6, "less than or equal to 5"),
@@ -382,7 +384,7 @@ COMPLETION_SWEEP: list[tuple[str, Any, str]] = [
     ("echo", "x", "valid boolean"),
     ("suffix", "tail", "not supported"),
     ("max_tokens", CONTEXT, f"maximum context length is {CONTEXT} tokens"),
-    ("seed", -1, "greater than or equal to 0"),
+    ("seed", -(2**63) - 1, "greater than or equal to -9223372036854775808"),  # -1 is a random seed
 ]
 
 

@@ -149,6 +149,14 @@ async def test_several_prompts_get_n_choices_each_numbered_prompt_by_prompt(llm:
     assert events[-1]["usage"] == data["usage"]
 
 
+async def test_a_negative_seed_asks_for_a_random_one(llm: httpx.AsyncClient) -> None:
+    # OpenAI's spec allows any int64; llama.cpp's clients send -1 for "random"
+    for path, body in (("/v1/chat/completions", chat("a b", seed=-1)),
+                       ("/v1/completions", {"prompt": "a b", "seed": -(2**63)})):
+        response = await llm.post(path, json=body)
+        assert response.status_code == 200, response.text
+
+
 async def test_unknown_fields_are_ignored(llm: httpx.AsyncClient) -> None:
     body = chat("still works", some_future_option={"x": 1}, parallel_tool_calls=False, user="u1")
     response = await llm.post("/v1/chat/completions", json=body)
