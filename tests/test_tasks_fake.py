@@ -7,6 +7,7 @@ per task at the end checks that the task's routes and engine are wired in.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -184,13 +185,27 @@ async def test_translations_route(transcriber: httpx.AsyncClient) -> None:
         (upload(audio_file("wav"), response_format="yaml"), "response_format"),
         (upload(audio_file("wav"), temperature="hot"), "temperature"),
         (upload(audio_file("wav"), **{"timestamp_granularities[]": "word"}), "needs response_format=verbose_json"),
-        (upload(audio_file("wav"), stream="true"), "stream"),
+        (upload(audio_file("wav"), stream="true", response_format="srt"), "stream"),
     ],
 )
 async def test_bad_transcription_requests_are_400(
     transcriber: httpx.AsyncClient, kwargs: dict[str, Any], needle: str
 ) -> None:
     assert_error(await transcriber.post("/v1/audio/transcriptions", **kwargs), 400, needle)
+
+
+async def test_streamed_transcription_sends_text_deltas_then_the_whole_text(transcriber: httpx.AsyncClient) -> None:
+    response = await transcriber.post("/v1/audio/transcriptions", **upload(audio_file("wav"), stream="true"))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.split("\n\n") if line]
+    for event in events:  # the done event ends the stream, as OpenAI's does (no [DONE])
+        check(event, "CreateTranscriptionResponseStreamEvent")
+    assert [e["type"] for e in events] == ["transcript.text.delta"] * 7 + ["transcript.text.done"]
+    assert "".join(e["delta"] for e in events[:-1]).strip() == events[-1]["text"] == (
+        "fake transcription of 3.00 seconds of audio")
+    refused = await transcriber.post("/v1/audio/transcriptions", **upload(audio_file("wav"), stream="true",
+                                                                          prompt="[[error]]"))
+    assert refused.status_code == 500  # an error before the first piece is an error answer, not a stream
 
 
 async def test_transcription_needs_multipart(transcriber: httpx.AsyncClient) -> None:

@@ -17,6 +17,7 @@ import soundfile
 from router_helpers import running_router, write_config
 from tasks_helpers import assert_error, audio_file, image_data_url, speech_file
 
+from tests.openai_schema import check
 from tests.router_fakes import fake_router
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -129,4 +130,12 @@ async def test_whisper_english_only_refuses_to_translate_through_the_sdk(tmp_pat
         assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "model"
         heard = await client.audio.transcriptions.create(model="whisper", file=("s.flac", speech_file("flac")))
         assert "bananas" in heard.text.lower(), "the same process keeps transcribing"
+        stream = await client.audio.transcriptions.create(model="whisper", file=("s.flac", speech_file("flac")),
+                                                          stream=True)
+        events = [event async for event in stream]  # deltas as Whisper decodes, through the router, then the text
+        for event in events:
+            check(event.model_dump(mode="json", exclude_unset=True), "CreateTranscriptionResponseStreamEvent")
+        deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+        assert len(deltas) > 3 and [e.type for e in events[len(deltas):]] == ["transcript.text.done"]
+        assert "".join(deltas).strip() == events[-1].text and "bananas" in events[-1].text.lower()
         await client.close()

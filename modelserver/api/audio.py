@@ -2,8 +2,8 @@
 
 Transcription takes OpenAI's multipart form: ``file`` (WAV, FLAC, OGG or MP3, decoded to
 16 kHz mono), ``model``, ``language``, ``prompt``, ``temperature``, ``response_format``
-(json, text, verbose_json, srt, vtt) and ``timestamp_granularities[]`` (segment, word;
-with verbose_json). Speech takes OpenAI's JSON: ``input``, ``voice``, ``response_format``
+(json, text, verbose_json, srt, vtt), ``timestamp_granularities[]`` (segment, word;
+with verbose_json) and ``stream`` (json or text: :mod:`modelserver.api.audio_stream`). Speech takes OpenAI's JSON: ``input``, ``voice``, ``response_format``
 (wav, flac, mp3, opus, pcm; aac is not available) and ``speed``; the answer is the audio
 file itself. Decoding and encoding run off the event loop.
 """
@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from modelserver.api.audio_stream import streamed_transcription
 from modelserver.api.common import (
     ClientGone,
     engine_as,
@@ -105,9 +106,9 @@ def _form_fields(form: FormData) -> TranscriptionForm:
 
 
 def _check(fields: TranscriptionForm) -> None:
-    if fields.stream:
-        raise UnsupportedParameter("stream: streamed transcription is not supported; send stream=false",
-                                   param="stream")
+    if fields.stream and fields.response_format not in ("json", "text"):
+        raise UnsupportedParameter("stream: a streamed transcription is text events; send response_format "
+                                   "json or text with it, or stream=false", param="stream")
     if fields.timestamp_granularities and fields.response_format != "verbose_json":
         raise RequestError("timestamp_granularities: needs response_format=verbose_json",
                            param="timestamp_granularities")
@@ -203,6 +204,8 @@ async def _transcription(request: Request, task: Task) -> Response:
     transcriber = engine_as(request, Transcriber)
     audio = await asyncio.to_thread(decode_audio, data)
     note(request, audio_s=round(audio.duration_s, 2), format=audio.source_format)
+    if fields.stream:
+        return await streamed_transcription(request, transcriber, _request_of(fields, audio.samples, task))
     try:
         with engine_errors(runtime(request)):
             result = await until_disconnect(request, transcriber.transcribe(_request_of(fields, audio.samples, task)))

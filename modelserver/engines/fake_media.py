@@ -103,6 +103,11 @@ class FakeTranscriber(_FakeBase):
         await self._pause()
         duration_s = len(request.samples) / 16_000
         text = f"fake transcription of {duration_s:.2f} seconds of audio"
+        if request.on_text is not None:  # a streamed transcription hears it word by word
+            for word in text.split():
+                if request.on_text(" " + word):
+                    break
+                await asyncio.sleep(self._spec.fake.token_delay_s)
         count = max(1, math.ceil(duration_s / SEGMENT_S))
         segments = [
             Segment(i * SEGMENT_S, min((i + 1) * SEGMENT_S, duration_s), f" segment {i + 1}") for i in range(count)

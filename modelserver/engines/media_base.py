@@ -75,6 +75,9 @@ class TranscriptionRequest:
     temperature: float | None = None
     segment_timestamps: bool = False
     word_timestamps: bool = False
+    #: Streamed transcription: called (on the engine's thread) with each piece of text as it is decoded;
+    #: answering True stops the decoding (the client went away).
+    on_text: Callable[[str], bool] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,9 @@ class OpenVINOTranscriber:
             kwargs.update(do_sample=True, temperature=request.temperature)
         if "max_new_tokens" in self._options:
             kwargs["max_new_tokens"] = self._options["max_new_tokens"]
+        if (on_text := request.on_text) is not None:
+            kwargs["streamer"] = lambda text: (ov_genai.StreamingStatus.CANCEL if on_text(text)
+                                               else ov_genai.StreamingStatus.RUNNING)
         return kwargs
 
     def _transcribe(self, request: TranscriptionRequest, kwargs: dict[str, Any]) -> TranscriptionResult:
