@@ -3,9 +3,10 @@
 Transcription takes OpenAI's multipart form: ``file`` (WAV, FLAC, OGG or MP3, decoded to
 16 kHz mono), ``model``, ``language``, ``prompt``, ``temperature``, ``response_format``
 (json, text, verbose_json, srt, vtt), ``timestamp_granularities[]`` (segment, word;
-with verbose_json) and ``stream`` (json or text: :mod:`modelserver.api.audio_stream`). Speech takes OpenAI's JSON: ``input``, ``voice``, ``response_format``
-(wav, flac, mp3, opus, pcm; aac is not available) and ``speed``; the answer is the audio
-file itself. Decoding and encoding run off the event loop.
+with verbose_json) and ``stream`` (json or text: :mod:`modelserver.api.audio_stream`).
+Speech takes OpenAI's JSON: ``input``, ``voice``, ``response_format`` (wav, flac, mp3, opus,
+pcm; aac is not available) and ``speed``; the answer is the audio file itself. Decoding and
+encoding run off the event loop.
 """
 
 from __future__ import annotations
