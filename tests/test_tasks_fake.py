@@ -173,6 +173,7 @@ def test_stamps_past_the_audio_end_at_its_last_sample() -> None:
 async def test_translations_route(transcriber: httpx.AsyncClient) -> None:
     response = await transcriber.post(
         "/v1/audio/translations", **upload(audio_file("wav"), response_format="verbose_json"))
+    check(response.json(), "CreateTranslationResponseVerboseJson")
     assert response.json()["task"] == "translate"
 
 
