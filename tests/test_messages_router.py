@@ -214,3 +214,16 @@ async def test_the_anthropic_sdk_lists_and_retrieves_models(tmp_path: Path) -> N
         assert alias.id == "claude-haiku-4-5" and alias.type == "model" and alias.created_at.year >= 2024
         plain = (await router.client.get("/v1/models")).json()  # an OpenAI client: unchanged
         assert "type" not in plain["data"][0] and "has_more" not in plain
+
+
+async def test_the_anthropic_sdk_reads_a_models_context(tmp_path: Path, demo_gguf: Path) -> None:
+    """ModelInfo's max_input_tokens / max_tokens: the context the model server enforces, read without loading."""
+    models = {"smol": {"task": "llm", "path": str(demo_gguf)}, "echo": fake_model()}
+    async with running_router(write_config(tmp_path, models)) as router:
+        client = sdk(router)
+        smol = await client.models.retrieve("smol")
+        assert smol.max_input_tokens == smol.max_tokens == 8192  # the GGUF's context, capped at 8192
+        echo = await client.models.retrieve("echo")
+        assert echo.max_input_tokens is None and echo.max_tokens is None  # no model file to read it from
+        smol_model = router.service.registry.resolve("smol")
+        assert smol_model is not None and smol_model.backend.state.value == "stopped"  # listing loads nothing

@@ -93,9 +93,13 @@ class ClientApi:
         return wrap
 
     def _anthropic(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """Anthropic's ``ModelInfo`` fields beside OpenAI's, for a client that sent ``anthropic-version``."""
+        """Anthropic's ``ModelInfo`` fields beside OpenAI's, for a client that sent ``anthropic-version``: a text
+        model's context is both ``max_input_tokens`` and ``max_tokens`` (a larger ``max_tokens`` is capped at what
+        the context leaves), null where the router cannot know it."""
         created = datetime.fromtimestamp(self.service.started_at, UTC).isoformat().replace("+00:00", "Z")
-        return {**entry, "type": "model", "display_name": entry["id"], "created_at": created}
+        context = entry.get("context_length")
+        return {**entry, "type": "model", "display_name": entry["id"], "created_at": created,
+                "max_input_tokens": context, "max_tokens": context}
 
     async def list_models(self, request: Request) -> Response:
         listing = self.models_list()
