@@ -305,6 +305,14 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_text(cls, value: Any) -> Any:
+        if _token_ids(value):
+            raise ValueError("token-id prompts are not supported: send the prompt as text (a string or a list "
+                             "of strings)")
+        return value
+
     def refuse_unsupported(self, max_n: int = 1) -> None:
         super().refuse_unsupported(max_n)
         if self.logprobs:

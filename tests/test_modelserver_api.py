@@ -231,6 +231,8 @@ async def test_bad_chat_requests_are_400_naming_the_problem(
     [
         ({}, "prompt"),
         ({"prompt": []}, "non-empty list"),
+        ({"prompt": [1, 2, 3]}, "token-id prompts are not supported"),
+        ({"prompt": [[1, 2], [3]]}, "token-id prompts are not supported"),
         ({"prompt": ["a"] * 33}, "33 prompts x n=1"),
         ({"prompt": ["a"] * 5, "n": 8}, "5 prompts x n=8"),
         ({"prompt": "x", "echo": True}, "echo"),
