@@ -127,6 +127,8 @@ def _route_hint(path: str) -> str:
                 " URL, or set router.ollama_port)")
     if path.startswith("/v1/v1/"):
         return " (the base URL ends in /v1 once too often: Anthropic's SDK takes http://HOST:PORT, OpenAI's .../v1)"
+    if path.split("/")[1:2] in (["chat"], ["completions"], ["embeddings"], ["audio"], ["responses"], ["rerank"]):
+        return f" (OpenAI's routes are under /v1: did you mean /v1{path}? OpenAI clients take http://HOST:PORT/v1)"
     return ""
 
 

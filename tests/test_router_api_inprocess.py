@@ -75,6 +75,8 @@ async def test_bad_requests_get_openai_style_errors(tmp_path: Path) -> None:
         assert ollama_at_root.status_code == 404 and "http://HOST:PORT/ollama" in ollama_at_root.text
         twice = await client.post("/v1/v1/messages", json=chat("echo"))  # ANTHROPIC_BASE_URL=.../v1
         assert twice.status_code == 404 and "ends in /v1 once too often" in twice.json()["error"]["message"]
+        bare = await client.post("/chat/completions", json=chat("echo"))  # OpenAI(base_url="http://HOST:PORT")
+        assert bare.status_code == 404 and "did you mean /v1/chat/completions?" in bare.json()["error"]["message"]
         wrong_method = await client.get("/v1/chat/completions")
         assert wrong_method.status_code == 405 and "error" in wrong_method.json()
         assert r.backend("echo").state is State.STOPPED, "nothing above may start a model"
