@@ -6,9 +6,11 @@ per task at the end checks that the task's routes and engine are wired in.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -378,3 +380,41 @@ def test_each_task_is_served_by_python_m_modelserver(task: str) -> None:
         assert client.get("/v1/models").json()["data"][0]["task"] == task
         other = "/v1/rerank" if task != "rerank" else "/v1/audio/speech"
         assert_error(client.post(other, json={}), 404, path)
+
+
+async def test_a_streamed_transcription_stops_decoding_once_the_client_is_gone() -> None:
+    spec = fake_spec("transcription", fake={"token_delay_s": 0.02, "load_s": 0})
+    engine = FakeTranscriber(spec)
+    answers: list[bool] = []  # what each on_text call told the engine: True = stop decoding
+    transcribe = engine.transcribe
+
+    async def spying(job: Any) -> Any:
+        def on_text(text: str) -> bool:
+            answers.append(job.on_text(text))
+            return answers[-1]
+        return await transcribe(replace(job, on_text=on_text))
+
+    engine.transcribe = spying  # type: ignore[method-assign]
+    request = httpx.Request("POST", "http://modelserver/v1/audio/transcriptions",
+                            **upload(audio_file("wav", seconds=1.0), stream="true"))
+    body = request.read()
+    first_delta = asyncio.Event()
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        if (message := next(messages, None)) is not None:
+            return message
+        await first_delta.wait()
+        return {"type": "http.disconnect"}  # the client reads one event and hangs up
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and b"transcript.text.delta" in message.get("body", b""):
+            first_delta.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/audio/transcriptions", "raw_path": b"/v1/audio/transcriptions",
+             "query_string": b"", "root_path": "", "server": ("modelserver", 80), "client": ("127.0.0.1", 1),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in request.headers.items()]}
+    await asyncio.wait_for(build_app(spec, engine)(scope, receive, send), 30)
+    words = len("fake transcription of 1.00 seconds of audio".split())
+    assert answers and answers[-1] is True and len(answers) < words  # told to stop, before the last word
