@@ -28,15 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ovrouter", description="One OpenAI-compatible URL for many OpenVINO models.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the router")
-    serve.add_argument("--config", default=DEFAULT_CONFIG, help="config file (default: %(default)s)")
+    _config_arguments(serve)
     serve.add_argument("--host", help="listen address (default: router.host)")
     serve.add_argument("--port", type=int, help="listen port (default: router.port)")
     serve.add_argument("--log-level", default=os.environ.get("OVROUTER_LOG_LEVEL", "info"),
                        choices=["debug", "info", "warning", "error"])
     check = sub.add_parser("check", help="validate a config file and print every problem")
-    check.add_argument("config", nargs="?", default=None)
-    check.add_argument("--config", dest="config_option", metavar="CONFIG",
-                       help=f"config file (default: {DEFAULT_CONFIG}; the positional one, as serve takes it)")
+    _config_arguments(check)
     status = sub.add_parser("status", help="print the models table of a running router")
     status.add_argument("--config", default=DEFAULT_CONFIG, help="read host, port and admin key from this file")
     status.add_argument("--url", help="router URL (default: from the config)")
@@ -51,6 +49,20 @@ def _parser() -> argparse.ArgumentParser:
     k8s.add_argument("--models-claim", default="ovrouter-models",
                      help="PersistentVolumeClaim holding the model files, mounted at /models (default: %(default)s)")
     return parser
+
+
+def _config_arguments(command: argparse.ArgumentParser) -> None:
+    """The config file as ``ovrouter serve config.yaml`` or ``--config config.yaml`` (both commands take both)."""
+    command.add_argument("config", nargs="?", default=None, help=f"config file (default: {DEFAULT_CONFIG})")
+    command.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same, as an option")
+
+
+def _config_path(args: argparse.Namespace) -> str:
+    if args.config is not None and args.config_option is not None and args.config != args.config_option:
+        print(f"ovrouter {args.command}: two config files ({args.config}, {args.config_option}): give one",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return str(args.config or args.config_option or DEFAULT_CONFIG)
 
 
 def _load(path: str) -> Config:
@@ -80,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     _fault_log()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s")
-    config = _load(args.config)
+    config = _load(_config_path(args))
     host, port = args.host or config.router.host, args.port if args.port is not None else config.router.port
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %d model(s) from %s", len(config.models), config.path)
@@ -117,10 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    if args.config is not None and args.config_option is not None and args.config != args.config_option:
-        print(f"ovrouter check: two config files ({args.config}, {args.config_option}): give one", file=sys.stderr)
-        return 2
-    config = _load(args.config or args.config_option or DEFAULT_CONFIG)
+    config = _load(_config_path(args))
     print(f"{config.path}: OK, {len(config.models)} model(s)")
     for name, spec in config.models.items():
         where = spec.url or (" ".join(spec.command) if spec.command else f"{spec.engine} {spec.path or ''}".strip())

@@ -118,6 +118,19 @@ def test_check_takes_config_as_an_option_as_serve_and_status_do(tmp_path: Path) 
     assert both.returncode == 2 and "two config files" in both.stderr
 
 
+def test_serve_takes_the_config_as_check_does(tmp_path: Path) -> None:
+    # `ovrouter serve config.yaml` as `ovrouter check config.yaml`: an invalid file stops it before it listens
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  m: {engine: fake, idle_timeout_s: soon}\n")
+    serve = [sys.executable, "-m", "router.cli", "serve"]
+    positional = subprocess.run([*serve, str(path)], capture_output=True, text=True, timeout=60)
+    assert positional.returncode == 2 and f"{path}: 1 problem(s)" in positional.stderr
+    assert "models.m.idle_timeout_s" in positional.stderr
+    both = subprocess.run([*serve, str(path), "--config", str(ROOT / "config.yaml")], capture_output=True,
+                          text=True, timeout=60)
+    assert both.returncode == 2 and "ovrouter serve: two config files" in both.stderr
+
+
 def test_serve_warns_of_a_model_path_that_does_not_exist(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A new user's config with a wrong path: serve says so at start, not only at the first request's 503."""
