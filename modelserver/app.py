@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelserver.api.common import LOG_NOTES, runtime
-from modelserver.errors import BodyTooLarge, ModelServerError, RequestError, Unauthorized, error_body, error_response
+from modelserver.errors import BodyTooLarge, ModelServerError, NoRoute, RequestError, Unauthorized, error_response
 from modelserver.memory import meter_for
 from modelserver.runtime import ModelRuntime
 from modelserver.settle import Settle
@@ -39,19 +39,29 @@ QUIET_PATHS = frozenset({"/health", "/v1/models", "/tokenize", "/detokenize", "/
 
 
 class RequireToken:
-    """401 for any request without ``Authorization: Bearer <token>``, every endpoint (``/health`` too)."""
+    """401 for any request without its token, every endpoint (``/health`` too): as ``Authorization: Bearer
+    <token>`` (the router's way; any case of ``Bearer``) or ``x-api-key: <token>`` (Anthropic's SDKs), compared
+    in constant time. The 401 takes the shape of the path's protocol."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
+
+    def _holds_token(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        scheme, _, value = headers.get(b"authorization", b"").strip().partition(b" ")
+        candidates = (value.strip() if scheme.lower() == b"bearer" else b"", headers.get(b"x-api-key", b"").strip())
+        matched = False
+        for candidate in candidates:
+            matched |= hmac.compare_digest(candidate, self.expected)
+        return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "this model server requires its bearer token (sent by the router that started it)"
-                await error_response(Unauthorized(message))(scope, receive, send)
-                return
+        if scope["type"] == "http" and not self._holds_token(scope):
+            message = ("this model server requires its bearer token (sent by the router that started it): send "
+                       "`Authorization: Bearer <token>`")
+            await error_response(Unauthorized(message), scope["path"])(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -174,21 +184,25 @@ async def _model_server_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ModelServerError)
     if exc.status >= 500:
         log.warning("%s %s failed: %s", request.method, request.url.path, exc.message)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     paths = ", ".join(route.path for route in request.app.routes if isinstance(route, Route))
-    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
-    error = RequestError(f"{request.method} {request.url.path}: {exc.detail}; this server serves {paths}", code=code)
-    return JSONResponse(error_body(error), status_code=exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}; this server serves {paths}"
+    if exc.status_code in (404, 405):
+        error: ModelServerError = NoRoute(message, exc.status_code, (exc.headers or {}).get("Allow"))
+    else:
+        error = RequestError(str(exc.detail))
+        error.status = exc.status_code
+    return error_response(error, request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("%s %s: unexpected error", request.method, request.url.path, exc_info=exc)
-    error = ModelServerError(f"internal error: {type(exc).__name__}: {exc}")  # 500 server_error internal_error
-    return JSONResponse(error_body(error), status_code=error.status)
+    error = ModelServerError("internal error; see the model server's log")  # 500 server_error internal_error
+    return error_response(error, request.url.path)
 
 
 def build_app(

@@ -3,6 +3,10 @@
 Decoding and encoding go through libsndfile (``soundfile``), which reads and writes WAV,
 FLAC, OGG (Vorbis and Opus) and MP3; resampling goes through ``soxr``. A file libsndfile
 cannot read is a :class:`~modelserver.errors.RequestError` that says so, never a 500.
+
+An upload is decoded block by block, down-mixed and resampled as it goes, and refused once it passes
+:data:`MAX_AUDIO_S`: compressed silence is tiny (a 917 KB FLAC held ten hours and took the model
+server to 5.6 GB while it was decoded whole), so the body limit alone bounds nothing.
 """
 
 from __future__ import annotations
@@ -10,18 +14,33 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from modelserver.errors import RequestError
 
-__all__ = ["SPEECH_FORMATS", "WHISPER_RATE", "DecodedAudio", "SpeechFormat", "decode_audio", "encode_audio"]
+__all__ = [
+    "MAX_AUDIO_S",
+    "MAX_SOURCE_RATE",
+    "SPEECH_FORMATS",
+    "WHISPER_RATE",
+    "DecodedAudio",
+    "SpeechFormat",
+    "decode_audio",
+    "encode_audio",
+]
 
 log = logging.getLogger(__name__)
 
 #: The sample rate Whisper-family models expect.
 WHISPER_RATE = 16_000
+#: The longest upload decoded (an hour: 230 MB of samples at 16 kHz); longer audio is a 400.
+MAX_AUDIO_S = 3600
+#: The highest sample rate taken as audio (a header may claim any rate; 384 kHz is the highest studio rate).
+MAX_SOURCE_RATE = 384_000
+#: Samples (frames x channels) decoded at a time.
+_BLOCK_SAMPLES = 1 << 18
 
 SpeechFormat = Literal["wav", "flac", "mp3", "opus", "pcm"]
 
@@ -51,29 +70,50 @@ class DecodedAudio:
 
 
 def decode_audio(data: bytes, rate: int = WHISPER_RATE) -> DecodedAudio:
-    """``data`` (any format libsndfile reads) as float32 mono samples at ``rate``."""
+    """``data`` (any format libsndfile reads) as float32 mono samples at ``rate``, at most :data:`MAX_AUDIO_S`."""
     if not data:
         raise RequestError("the uploaded audio file is empty", param="file")
     import soundfile  # imported at the first audio file (libsndfile, soxr: ~1 MiB a text model never needs)
-    import soxr
 
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
-            samples = f.read(dtype="float32", always_2d=True)
             source_rate, source_format = f.samplerate, f.format
+            mono = _read_mono(f, rate)
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         detail = getattr(exc, "error_string", None) or str(exc)
         raise RequestError(
             f"could not decode the uploaded audio file ({detail}); send WAV, FLAC, OGG (Vorbis/Opus) or MP3",
             param="file",
         ) from None
-    if samples.shape[0] == 0:
+    if mono.shape[0] == 0:
         raise RequestError("the uploaded audio file holds no samples", param="file")
-    mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
-    if source_rate != rate:
-        mono = soxr.resample(mono, source_rate, rate, quality="HQ")
     mono = np.clip(mono, -1.0, 1.0).astype(np.float32, copy=False)
     return DecodedAudio(samples=mono, rate=rate, source_rate=source_rate, source_format=source_format)
+
+
+def _read_mono(f: Any, rate: int) -> np.ndarray:
+    """The samples of the open SoundFile ``f``, down-mixed and resampled to ``rate`` block by block; a
+    :class:`RequestError` as soon as they pass :data:`MAX_AUDIO_S` (or the header claims no audio rate)."""
+    import soxr
+
+    if not 1 <= f.samplerate <= MAX_SOURCE_RATE:
+        raise RequestError(f"the uploaded audio file's sample rate ({f.samplerate} Hz) is not one of audio; "
+                           f"at most {MAX_SOURCE_RATE} Hz", param="file")
+    too_long = RequestError(f"the uploaded audio is longer than {MAX_AUDIO_S} s, the longest this server "
+                            "transcribes in one request; send it in parts", param="file")
+    if f.frames > MAX_AUDIO_S * f.samplerate:  # the header says so: nothing decoded
+        raise too_long
+    stream = soxr.ResampleStream(f.samplerate, rate, 1, dtype="float32", quality="HQ") if f.samplerate != rate else None
+    pieces, read = [], 0
+    for block in f.blocks(blocksize=max(1, _BLOCK_SAMPLES // f.channels), dtype="float32", always_2d=True):
+        read += block.shape[0]
+        if read > MAX_AUDIO_S * f.samplerate:
+            raise too_long
+        mono = block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0]
+        pieces.append(stream.resample_chunk(mono) if stream is not None else mono.copy())
+    if stream is not None:
+        pieces.append(stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
 
 
 def encode_audio(samples: np.ndarray, rate: int, response_format: str) -> tuple[bytes, str]:

@@ -8,6 +8,7 @@
     │   ├── ContextLengthExceeded    400  prompt + completion longer than the model's context
     │   └── BodyTooLarge             413  the body is above ``max_request_mb``
     ├── Unauthorized                 401  no or a wrong bearer token (a server given one requires it)
+    ├── NoRoute                      404  no such path (``status`` 405: a path without that method)
     ├── NotReady                     503  the engine is still loading, or failed to load
     └── EngineError                  500  the engine failed this request; the server keeps serving
         ├── SuspectEngineError       500  a suspect device error (``suspect_patterns``): ordinary, but
@@ -39,6 +40,7 @@ __all__ = [
     "FatalEngineError",
     "LoadError",
     "ModelServerError",
+    "NoRoute",
     "NotReady",
     "RequestError",
     "SuspectEngineError",
@@ -87,6 +89,22 @@ class Unauthorized(ModelServerError):
 
     def headers(self) -> dict[str, str]:
         return {"www-authenticate": "Bearer"}
+
+
+class NoRoute(RequestError):
+    """Starlette's 404 (no such path), or its 405 (the path without that method; ``allow``: the methods it takes)."""
+
+    status = 404
+    code = "not_found"
+
+    def __init__(self, message: str, status: int = 404, allow: str | None = None) -> None:
+        super().__init__(message)
+        self.allow = allow
+        if status == 405:
+            self.status, self.code = 405, "method_not_allowed"
+
+    def headers(self) -> dict[str, str]:
+        return {"allow": self.allow} if self.allow else {}
 
 
 class UnsupportedParameter(RequestError):
@@ -179,16 +197,20 @@ def error_body(exc: ModelServerError) -> dict[str, Any]:
 
 
 def error_response(exc: ModelServerError, path: str = "") -> JSONResponse:
-    """The one translation of an error into HTTP: status, headers and the JSON body (Ollama's
-    ``{"error": "..."}`` for its routes, under ``/ollama/``)."""
+    """The one translation of an error into HTTP: status, headers and the JSON body in the shape of
+    ``path``'s protocol: Ollama's ``{"error": "..."}`` under ``/ollama/``, Anthropic's on the Messages
+    API's routes (``/v1/messages...``), else OpenAI's."""
     if path.startswith("/ollama/"):
         return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers())
+    if path.startswith("/v1/messages"):
+        return anthropic_error_response(exc)
     return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers())
 
 
 #: Anthropic's error ``type`` by HTTP status (the Messages API's routes answer in its shape).
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def anthropic_error_body(exc: ModelServerError) -> dict[str, Any]:

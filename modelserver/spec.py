@@ -344,11 +344,13 @@ def _bound_of(field: str | None) -> str:
     return ""
 
 
-def format_errors(exc: ValidationError, prefix: str, from_defaults: frozenset[str] = frozenset()) -> list[str]:
+def format_errors(exc: ValidationError, prefix: str, from_defaults: frozenset[str] = frozenset(),
+                  secret: frozenset[str] = frozenset()) -> list[str]:
     """One readable line per pydantic error: ``key.path: what was expected, got <value>``.
 
     ``from_defaults`` names the top-level keys whose value came from ``defaults``; their
-    errors are reported under ``defaults.`` so the user edits the right place.
+    errors are reported under ``defaults.`` so the user edits the right place. The value of a
+    top-level key in ``secret`` (API keys) is never repeated: these lines reach logs and ``/api``.
     """
     lines = []
     for err in exc.errors():
@@ -359,7 +361,7 @@ def format_errors(exc: ValidationError, prefix: str, from_defaults: frozenset[st
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(loc[-1], ModelSpec.model_fields, n=1)
             message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
-        elif err["type"] != "missing" and "input" in err:
+        elif err["type"] != "missing" and "input" in err and top not in secret:
             message += f", got {json.dumps(err['input'], default=str)}"
         lines.append(f"{path}: {message}")
     return lines

@@ -34,7 +34,7 @@ from router.api.responses import (
 )
 from router.api.ui_routes import console_routes
 from router.config import Config
-from router.edge.errors import NotFound, RouterError, error_body, error_response
+from router.edge.errors import BadRequest, MethodNotAllowed, NotFound, RouterError, error_response
 from router.path import request
 from router.path.request import ProxyRequest
 from router.service import RouterService, check_key, credential_of
@@ -133,17 +133,20 @@ def _route_hint(path: str) -> str:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 (and any other HTTPException) as the path's error shape (router.edge.errors.body_for)."""
     assert isinstance(exc, HTTPException)
+    path = request.url.path
     if exc.status_code == 404:
-        path = request.url.path
-        return error_response(NotFound(f"no route {request.method} {path}; see GET /v1/models and /api"
-                                       + _route_hint(path)))
-    if exc.status_code == 405:
-        message = f"method {request.method} is not allowed on {request.url.path}"
-        return Response(error_body(message, "invalid_request_error", "method_not_allowed"), status_code=405,
-                        media_type="application/json", headers=dict(exc.headers or {}))
-    return Response(error_body(str(exc.detail), "invalid_request_error", "http_error"), status_code=exc.status_code,
-                    media_type="application/json")
+        error: RouterError = NotFound(f"no route {request.method} {path}; see GET /v1/models and /api"
+                                      + _route_hint(path))
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow")
+        error = MethodNotAllowed(f"method {request.method} is not allowed on {path}"
+                                 + (f"; it takes {allow}" if allow else ""), allow)
+    else:
+        error = BadRequest(str(exc.detail))
+        error.status = exc.status_code
+    return error_response(error, path)
 
 
 async def _router_error(request: Request, exc: Exception) -> Response:
@@ -153,8 +156,7 @@ async def _router_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return Response(error_body("internal router error; see the router log", "server_error", "internal_error"),
-                    status_code=500, media_type="application/json")
+    return error_response(RouterError("internal router error; see the router log"), request.url.path)
 
 
 class _FastPath:

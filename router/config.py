@@ -140,6 +140,16 @@ class RouterSettings(_Frozen):
     def _budget(cls, value: Any) -> str | dict[str, int | float | str] | None:
         return parse_budget(value)
 
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _keys(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # an empty key (an unset variable templated in) would let a request with no key through
+        for key in value:
+            if not re.fullmatch(r"[\x21-\x7e]+", key):
+                what = "an empty key" if not key.strip() else "a key with spaces or characters outside printable ASCII"
+                raise ValueError(f"expected keys of printable ASCII characters without spaces, got {what}")
+        return value
+
     @field_validator("metrics_names")
     @classmethod
     def _names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -190,7 +200,7 @@ def _router(raw: dict[str, Any], base_dir: Path, errors: list[str]) -> RouterSet
     try:
         settings = RouterSettings.model_validate(raw)
     except ValidationError as exc:
-        errors.extend(format_errors(exc, "router"))
+        errors.extend(format_errors(exc, "router", secret=frozenset({"api_keys", "admin_keys"})))
         return RouterSettings()
     state_dir, cache_dir = _absolute(settings.state_dir, base_dir), _absolute(settings.cache_dir, base_dir)
     return settings.model_copy(update={"state_dir": state_dir, "cache_dir": cache_dir})

@@ -23,7 +23,7 @@ from router.reload import watch_config
 from router.state.devices import DeviceGuard
 from router.state.registry import Registry
 
-__all__ = ["RESTART_ONLY_SETTINGS", "RouterService", "check_key", "credential", "credential_of"]
+__all__ = ["RESTART_ONLY_SETTINGS", "Credential", "RouterService", "check_key", "credential", "credential_of"]
 
 log = logging.getLogger(__name__)
 
@@ -32,27 +32,35 @@ RESTART_ONLY_SETTINGS = ("host", "port", "ollama_port", "transport", "state_dir"
                          "body_timeout_s", "keep_alive_timeout_s", "max_connections", "engine")
 
 
-def credential(authorization: str | None, api_key: str | None) -> str | None:
-    """The ``Authorization`` to check: Anthropic's ``x-api-key`` header counts as a Bearer key where none is sent."""
-    return authorization if authorization or not api_key else f"Bearer {api_key}"
+#: What a request presents as its key: its ``Authorization`` header and its ``x-api-key`` header (Anthropic's SDKs).
+Credential = tuple[str | None, str | None]
 
 
-def credential_of(headers: Mapping[str, str]) -> str | None:
+def credential(authorization: str | None, api_key: str | None) -> Credential:
+    """The key headers of a request, as :func:`check_key` takes them."""
+    return authorization, api_key
+
+
+def credential_of(headers: Mapping[str, str]) -> Credential:
     """:func:`credential` of a request's headers."""
     return credential(headers.get("authorization"), headers.get("x-api-key"))
 
 
-def check_key(authorization: str | None, keys: tuple[str, ...], what: str) -> None:
-    """Bearer auth, compared in constant time against every key; open when ``keys`` is empty."""
+def check_key(presented: Credential, keys: tuple[str, ...], what: str) -> None:
+    """Open when ``keys`` is empty; else ``Authorization: Bearer <key>`` (any case of ``Bearer``) or
+    ``x-api-key: <key>`` must hold one of ``keys``: either header matching is enough (a client may send a
+    placeholder in the other). Every candidate is compared with every key in constant time."""
     if not keys:
         return
-    scheme, _, token = (authorization or "").partition(" ")
-    presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+    authorization, api_key = presented
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    candidates = [token.strip() if scheme.lower() == "bearer" else "", (api_key or "").strip()]
     matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(presented, key.encode())
+    for candidate in candidates:
+        for key in keys:
+            matched |= bool(candidate) & hmac.compare_digest(candidate.encode(), key.encode())
     if not matched:
-        hint = "missing" if not presented else "not accepted"
+        hint = "not accepted" if any(candidates) else "missing"
         raise Unauthorized(f"API key {hint}: send `Authorization: Bearer <key>` (or `x-api-key: <key>`) "
                            f"with a key from router.{what}")
 

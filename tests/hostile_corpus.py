@@ -6,11 +6,13 @@ router and model-server process (tests/test_hostile_router.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Case", "Target", "corpus", "fault", "targets"]
+__all__ = ["METHODS", "Answer", "Case", "Target", "corpus", "fault", "send", "strangers", "targets"]
 
 MIB = 1024 * 1024
 DEEP = 100_000
@@ -123,19 +125,87 @@ def _routes(app: Any) -> list[Any]:
     return list(app.routes)
 
 
+def _filled(route: Any, model: str, bystander: str) -> tuple[str, bool]:
+    """``route``'s path with its parameters filled in, and whether it acts on a model (then it names ``bystander``)."""
+    acts = route.path.endswith(_ACTIONS)
+    values = {name: _PARAMS.get(name, bystander if acts else model) for name in route.param_convertors}
+    path = route.path
+    for name, value in values.items():
+        path = path.replace("{" + name + "}", value).replace("{" + name + ":path}", value)
+    return path, acts
+
+
 def targets(app: Any, model: str, bystander: str) -> list[Target]:
     """Every method of every route of ``app``; path parameters name ``model``, or ``bystander`` on the
     routes that act on a model (so ``model``'s process must not change)."""
     found = []
     for route in _routes(app):
-        acts = route.path.endswith(_ACTIONS)
-        values = {name: _PARAMS.get(name, bystander if acts else model) for name in route.param_convertors}
-        path = route.path
-        for name, value in values.items():
-            path = path.replace("{" + name + "}", value).replace("{" + name + ":path}", value)
+        path, acts = _filled(route, model, bystander)
         methods = sorted(set(route.methods or ["GET"]) - {"HEAD", "OPTIONS"})
         found += [Target(method, path, route.path, acts) for method in methods]
     return found
+
+
+#: The methods tried on every route that does not take them.
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def strangers(app: Any, model: str, bystander: str) -> list[Target]:
+    """Each route's path of ``app`` with every method of :data:`METHODS` that no route takes on that path."""
+    taken: dict[str, set[str]] = {}
+    templates: dict[str, tuple[str, bool]] = {}
+    for route in _routes(app):
+        path, acts = _filled(route, model, bystander)
+        taken.setdefault(path, set()).update(route.methods or ["GET"])
+        templates.setdefault(path, (route.path, acts))
+    return [Target(method, path, *templates[path]) for path in taken for method in METHODS
+            if method not in taken[path]]
+
+
+@dataclass
+class Answer:
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+
+async def send(app: Any, target: Target, case: Case, headers: Sequence[tuple[str, str]] = ()) -> Answer:
+    """``case`` to ``target`` through the ASGI app (with ``headers`` too); a stream is hung up on once its head
+    arrived."""
+    pieces = [case.body[i * len(case.body) // case.pieces:(i + 1) * len(case.body) // case.pieces]
+              for i in range(case.pieces)]
+    sent = [(b"content-type", case.content_type.encode("latin-1"))]
+    sent += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+    if case.pieces == 1 or case.declared is not None:
+        declared = case.declared if case.declared is not None else len(case.body)
+        sent.append((b"content-length", str(declared).encode()))
+    else:
+        sent.append((b"transfer-encoding", b"chunked"))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": target.method,
+             "scheme": "http", "path": target.path, "raw_path": target.path.encode(), "query_string": b"",
+             "root_path": "", "headers": sent, "client": ("127.0.0.1", 40000), "server": ("testserver", 80)}
+    gone, answer = asyncio.Event(), Answer()
+
+    async def receive() -> dict[str, Any]:
+        if pieces and not (case.cut and len(pieces) == 1):
+            piece = pieces.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+        if case.cut:
+            gone.set()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def reply(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            answer.status = message["status"]
+            answer.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+            if answer.headers.get("content-type", "").startswith("text/event-stream"):
+                gone.set()  # an endless stream: the client hangs up
+        elif message["type"] == "http.response.body":
+            answer.body += message.get("body", b"")
+
+    await asyncio.wait_for(app(scope, receive, reply), 30)
+    return answer
 
 
 def fault(status: int, content_type: str, body: bytes, path: str = "") -> str | None:
@@ -154,7 +224,10 @@ def fault(status: int, content_type: str, body: bytes, path: str = "") -> str | 
             assert isinstance(error, str) and error
             return None
         assert isinstance(error["message"], str) and error["message"] and "type" in error
-        assert "code" in error or data.get("type") == "error"  # Anthropic's shape (the Messages routes): no code
+        if path.startswith("/v1/messages"):
+            assert data.get("type") == "error"  # Anthropic's shape on the Messages API's routes
+        else:
+            assert "code" in error
     except (ValueError, KeyError, TypeError, AssertionError):
-        return f"{status} without an error object: {body[:200]!r}"
+        return f"{status} without the error object of {path or 'the route'}: {body[:200]!r}"
     return None

@@ -11,7 +11,9 @@ shape, the numbers the message must name, usage within the context.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,7 +28,7 @@ from modelserver.app import build_app
 from modelserver.engines.base import SamplingParams
 from modelserver.engines.context import chunks, configured_context, fit_context
 from modelserver.engines.fake import FakeEmbedder, FakeTextGenerator
-from modelserver.engines.fake_media import FakeReranker
+from modelserver.engines.fake_media import FakeReranker, FakeTranscriber, FakeVisionGenerator
 from modelserver.errors import ContextLengthExceeded, LoadError, RequestError
 from modelserver.modelfiles import context_length, gguf_context_length
 from modelserver.protocol import check_depth
@@ -254,6 +256,98 @@ async def test_embeddings_take_at_most_max_inputs_a_request_on_every_route() -> 
         ollama = await client.post("/ollama/api/embed", json={"input": too_many})
         assert ollama.status_code == 400 and f"at most {MAX_INPUTS} inputs" in ollama.json()["error"]
         assert (await client.post("/v1/embeddings", json={"input": "still serving"})).status_code == 200
+
+
+async def test_rerank_takes_at_most_max_documents_a_request() -> None:
+    # 100000 one-word documents kept the fake engine busy until the router killed it as hung, and the real
+    # rerank-tiny for more than the router's 600 s request_timeout_s
+    from modelserver.api.rerank import MAX_DOCUMENTS
+
+    async with fake_client("rerank", FakeReranker) as client:
+        many = {"query": "q", "documents": ["a"] * MAX_DOCUMENTS}
+        assert (await client.post("/v1/rerank", json=many)).status_code == 200
+        too_many = {"query": "q", "documents": ["a"] * 100_000}
+        for path in ("/v1/rerank", "/v2/rerank"):
+            assert_400(await client.post(path, json=too_many), "documents",
+                       f"at most {MAX_DOCUMENTS} documents a request, got 100000", "several requests")
+        assert (await client.post("/v1/rerank", json={"query": "q", "documents": ["still serving"]})).status_code == 200
+
+
+def silent_flac(minutes: int, rate: int = 8000) -> bytes:
+    """``minutes`` of silence: about 1.5 KB a minute, whatever it decodes to."""
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    with soundfile.SoundFile(buffer, "w", samplerate=rate, channels=1, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(minutes):
+            f.write(np.zeros(rate * 60, dtype=np.int16))
+    return buffer.getvalue()
+
+
+async def test_audio_longer_than_max_audio_s_is_refused_before_it_is_decoded() -> None:
+    # a 917 KB FLAC of ten hours' silence took the model server to 5.6 GB while it was decoded whole
+    from modelserver.audio import MAX_AUDIO_S
+
+    def upload(data: bytes) -> dict[str, Any]:
+        return {"files": {"file": ("a.flac", data, "audio/flac")}, "data": {"model": "fake"}}
+
+    async with fake_client("transcription", FakeTranscriber) as client:
+        hours = silent_flac(MAX_AUDIO_S // 60 + 1)
+        assert len(hours) < 200_000
+        for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+            refused = await client.post(path, **upload(hours))
+            assert_400(refused, "file", f"longer than {MAX_AUDIO_S} s", "send it in parts")
+        fine = await client.post("/v1/audio/transcriptions", **upload(silent_flac(2)))
+        assert fine.status_code == 200 and fine.json()["usage"]["seconds"] == 120
+
+
+def test_audio_is_decoded_in_blocks_and_refused_once_past_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import soundfile
+
+    from modelserver import audio
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros((44_100 * 3, 2), dtype=np.float32), 44_100, format="WAV")
+    decoded = audio.decode_audio(buffer.getvalue())  # stereo 44.1 kHz, resampled block by block
+    assert decoded.rate == 16_000 and abs(len(decoded.samples) - 48_000) <= 16
+    monkeypatch.setattr(audio, "MAX_AUDIO_S", 2)
+    with pytest.raises(RequestError, match="longer than 2 s"):
+        audio.decode_audio(buffer.getvalue())
+    monkeypatch.setattr(audio, "MAX_AUDIO_S", 3600)
+    odd = io.BytesIO()
+    soundfile.write(odd, np.zeros(1000, dtype=np.float32), 1_000_000, format="WAV")  # a header, not audio
+    with pytest.raises(RequestError, match="sample rate .1000000 Hz. is not one of audio"):
+        audio.decode_audio(odd.getvalue())
+
+
+async def test_a_requests_images_are_bounded_together_not_only_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a blank 8000x8000 PNG is 62 KB: eight of them (663 KB of JSON) took the model server to 2 GB
+    from PIL import Image
+
+    from modelserver import images
+
+    assert images.MAX_REQUEST_PIXELS >= images.MAX_IMAGE_PIXELS
+    monkeypatch.setattr(images, "MAX_REQUEST_PIXELS", 3 * 64 * 64)  # three 64x64 images, not four
+    buffer = io.BytesIO()
+    Image.new("L", (64, 64)).save(buffer, "PNG")
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        buffer.getvalue()).decode()}}
+
+    def ask(count: int) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}] + [part] * count}]}
+
+    async with fake_client("vlm", FakeVisionGenerator) as client:
+        assert (await client.post("/v1/chat/completions", json=ask(3))).status_code == 200
+        assert_400(await client.post("/v1/chat/completions", json=ask(4)), "messages[0].content[4].image_url.url",
+                   f"above {3 * 64 * 64} pixels together", "fewer or smaller images")
+        anthropic = {"max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": part["image_url"]["url"].partition(",")[2]}}] * 4}]}
+        refused = await client.post("/v1/messages", json=anthropic)
+        assert refused.status_code == 400 and "pixels together" in refused.json()["error"]["message"]
+        assert (await client.post("/v1/chat/completions", json=ask(1))).status_code == 200
 
 
 async def test_fake_rerank_refuses_a_pair_above_max_length_unless_truncate() -> None:

@@ -8,11 +8,8 @@ The routes are read from the apps, so a route added later is covered without edi
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,7 +18,7 @@ from modelserver.engines import make_engine
 from modelserver.spec import build_model_spec
 from router.app import build_app
 from router.config import parse_config
-from tests.hostile_corpus import Case, Target, corpus, fault, targets
+from tests.hostile_corpus import Case, Target, corpus, fault, send, strangers, targets
 from tests.router_fakes import fake_router
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,50 +27,6 @@ MIB = 1024 * 1024
 MODELS = {name: {"engine": "fake", "loading_progress": "off", "max_request_mb": 1, "idle_timeout_s": 0}
           for name in ("tiny", "other")}
 TARGETS = targets(build_app(parse_config({"models": MODELS}, Path("."))), "tiny", "other")
-
-
-@dataclass
-class Answer:
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytes = b""
-
-
-async def send(app: Any, target: Target, case: Case) -> Answer:
-    """``case`` to ``target`` through the ASGI app; a stream is hung up on once its head arrived."""
-    pieces = [case.body[i * len(case.body) // case.pieces:(i + 1) * len(case.body) // case.pieces]
-              for i in range(case.pieces)]
-    headers = [(b"content-type", case.content_type.encode("latin-1"))]
-    if case.pieces == 1 or case.declared is not None:
-        declared = case.declared if case.declared is not None else len(case.body)
-        headers.append((b"content-length", str(declared).encode()))
-    else:
-        headers.append((b"transfer-encoding", b"chunked"))
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": target.method,
-             "scheme": "http", "path": target.path, "raw_path": target.path.encode(), "query_string": b"",
-             "root_path": "", "headers": headers, "client": ("127.0.0.1", 40000), "server": ("testserver", 80)}
-    gone, answer = asyncio.Event(), Answer()
-
-    async def receive() -> dict[str, Any]:
-        if pieces and not (case.cut and len(pieces) == 1):
-            piece = pieces.pop(0)
-            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
-        if case.cut:
-            gone.set()
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def reply(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            answer.status = message["status"]
-            answer.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
-            if answer.headers.get("content-type", "").startswith("text/event-stream"):
-                gone.set()  # an endless stream: the client hangs up
-        elif message["type"] == "http.response.body":
-            answer.body += message.get("body", b"")
-
-    await asyncio.wait_for(app(scope, receive, reply), 30)
-    return answer
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=repr)
@@ -121,3 +74,33 @@ async def test_every_model_server_route_answers_the_hostile_corpus_with_a_4xx_js
     assert app.state.runtime.status == "ready"
     logged = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
     assert not logged, "\n".join(f"{r.name}: {r.getMessage()}" for r in logged)
+
+
+def _refused_method_fault(target: Target, status: int, headers: dict[str, str], body: bytes) -> str | None:
+    """A method a route does not take: 405 naming the ones it does (404 where a catch-all route holds the path),
+    in the error shape of the path's protocol."""
+    if status not in (404, 405):
+        return f"{status}: {body[:150]!r}"
+    if status == 405 and not headers.get("allow"):
+        return "405 without Allow"
+    return fault(status, headers.get("content-type", ""), body, target.path)
+
+
+async def test_every_route_answers_a_method_it_does_not_take_with_a_405_in_its_protocols_shape(
+        tmp_path: Path) -> None:
+    # Anthropic's and Ollama's clients got OpenAI's error object for a 405 (and the model server's 404s and 401s)
+    body = Case("a-model", b'{"model": "tiny"}')
+    async with fake_router(tmp_path, MODELS) as router:
+        faults = []
+        for target in strangers(router.app, "tiny", "other"):
+            answer = await send(router.app, target, body)
+            if (problem := _refused_method_fault(target, answer.status, answer.headers, answer.body)) is not None:
+                faults.append(f"{target!r}: {problem}")
+        for task in TASKS:
+            spec = build_model_spec("tiny", {"engine": "fake", "task": task, "fake": {"token_delay_s": 0}})
+            app = modelserver_app(spec, make_engine(spec))
+            for target in strangers(app, "tiny", "tiny"):
+                answer = await send(app, target, body)
+                if (problem := _refused_method_fault(target, answer.status, answer.headers, answer.body)) is not None:
+                    faults.append(f"{task}: {target!r}: {problem}")
+    assert not faults, "\n".join(faults)

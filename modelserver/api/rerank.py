@@ -5,6 +5,10 @@ Request: ``query``, ``documents`` (strings, or objects with a ``text``), ``top_n
 ``{"index", "relevance_score"}`` plus ``"document": {"text"}`` when asked, and ``usage``.
 ``/v2/rerank`` (Cohere v2's path) is the same handler. A query + document above the encoder's
 maximum is a 400 ``context_length_exceeded`` unless the request sends ``truncate: true``.
+
+At most :data:`MAX_DOCUMENTS` documents a request (Cohere's and Voyage's limit): each is a pass of the
+cross-encoder, so 100,000 one-word documents kept the fake engine busy past the router's hang bound
+(the model was killed as hung) and the real one for minutes. More is a 400 naming the limit.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from modelserver.api.common import (
     until_disconnect,
 )
 from modelserver.engines.media_base import Reranker, RerankResult
+from modelserver.errors import RequestError
 from modelserver.ids import random_hex
 
-__all__ = ["RerankRequest", "rerank_body", "routes"]
+__all__ = ["MAX_DOCUMENTS", "RerankRequest", "rerank_body", "routes"]
+
+MAX_DOCUMENTS = 1000
 
 
 class RerankRequest(BaseModel):
@@ -65,6 +72,9 @@ def rerank_body(body: RerankRequest, result: RerankResult, model: str) -> dict[s
 
 async def rerank(request: Request) -> Response:
     body = await read_body(request, RerankRequest)
+    if len(body.documents) > MAX_DOCUMENTS:
+        raise RequestError(f"documents: at most {MAX_DOCUMENTS} documents a request, got {len(body.documents)}; "
+                           "rerank them in several requests (or pre-filter them)", param="documents")
     reranker = engine_as(request, Reranker)
     try:
         with engine_errors(runtime(request)):

@@ -57,7 +57,8 @@ def _turn(message: ChatMessage, index: int, images: list[Any]) -> ChatTurn:
         if part.type == "text" and part.text is not None:
             pieces.append(_text(part.text, where))
         elif part.type == "image_url":
-            images.append(decode_data_url(_image_url(part, where), f"{where}.image_url.url"))
+            used_px = sum(image.shape[0] * image.shape[1] for image in images)
+            images.append(decode_data_url(_image_url(part, where), f"{where}.image_url.url", used_px))
             pieces.append(image_tag(len(images) - 1))
         else:
             raise UnsupportedParameter(

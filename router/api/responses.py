@@ -284,10 +284,10 @@ class ResponsesStream:
 
 def stored_response_routes(service: RouterService) -> list[Route]:
     """``GET`` / ``DELETE /v1/responses/{id}`` (and ``GET .../input_items``) on the router's store."""
-    from router.service import check_key
+    from router.service import check_key, credential_of
 
     def stored(request: Request) -> tuple[str, Any]:
-        check_key(request.headers.get("authorization"), service.config.router.api_keys, "api_keys")
+        check_key(credential_of(request.headers), service.config.router.api_keys, "api_keys")
         rid = request.path_params["id"]
         entry = service.responses.get(rid)
         if entry is None:

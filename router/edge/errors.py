@@ -5,6 +5,7 @@
      ├ Unauthorized             401  authentication_error
      ├ ModelNotFound            404  model_not_found
      ├ NotFound                 404  not_found
+     ├ MethodNotAllowed         405  method_not_allowed   (Allow)
      ├ PayloadTooLarge          413  request_too_large
      ├ TooManyRequests          429  rate_limit_exceeded   (Retry-After)
      ├ BadGateway               502  backend_error
@@ -33,6 +34,7 @@ __all__ = [
     "BadGateway",
     "BadRequest",
     "GatewayTimeout",
+    "MethodNotAllowed",
     "ModelNotFound",
     "NotFound",
     "PayloadTooLarge",
@@ -91,6 +93,17 @@ class NotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class MethodNotAllowed(RouterError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+    def __init__(self, message: str, allow: str | None = None) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **({"allow": self.allow} if self.allow else {})}
+
+
 class PayloadTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
     closes = True
@@ -136,7 +149,8 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 OLLAMA_PATHS = ("/ollama/",)
 #: Anthropic's error ``type`` by HTTP status (the model server's Messages routes use the same table).
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def anthropic_error(status: int, message: str) -> dict[str, object]:

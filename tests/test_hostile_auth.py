@@ -1,0 +1,135 @@
+"""Keys on EVERY route: with ``router.api_keys`` / ``admin_keys`` set, each route of the router (read from the
+app, so a route added later is covered without a test edit) refuses a request without its key with a 401 in
+its protocol's error shape, takes the key the ways OpenAI's, Anthropic's and Ollama's clients send it, and
+never repeats a key; the same for a model server given a bearer token (every route of every task).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from modelserver.app import build_app as modelserver_app
+from modelserver.engines import make_engine
+from modelserver.spec import build_model_spec
+from router.app import build_app
+from router.config import ConfigError, parse_config
+from tests.hostile_corpus import Answer, Case, Target, fault, send, targets
+from tests.router_fakes import fake_router
+
+pytestmark = pytest.mark.timeout(120)
+
+MODELS = {name: {"engine": "fake", "loading_progress": "off", "idle_timeout_s": 0} for name in ("tiny", "other")}
+USER, ADMIN = "sk-user-0123456789", "sk-admin-9876543210"
+KEYS = {"api_keys": [USER], "admin_keys": [ADMIN]}
+TARGETS = targets(build_app(parse_config({"models": MODELS}, Path("."))), "tiny", "other")
+
+#: The routes that need no key, and why: a liveness probe, the dashboard's static files (it asks for the admin
+#: key itself and holds no data), Ollama's root ("Ollama is running", what apps probe before they send a key), and
+#: the 404 of a path that is not Ollama's API (as for any unknown path).
+OPEN = {"/health", "/ui", "/ui/", "/ui/{file}", "/ollama", "/ollama/", "/ollama/{rest:path}"}
+#: The routes that take the admin keys (the rest take the API keys).
+ADMIN_ROUTES = ("/api/", "/metrics", "/models")
+
+
+def _key_for(target: Target) -> str:
+    return ADMIN if target.template.startswith(ADMIN_ROUTES) else USER
+
+
+BODY = Case("a-model", b'{"model": "tiny"}')
+
+
+async def _ask(app: Any, target: Target, headers: dict[str, str]) -> Answer:
+    """``target`` with a small JSON body and ``headers``; a stream is hung up on once its head arrived."""
+    return await send(app, target, BODY, list(headers.items()))
+
+
+def _refusal_fault(target: Target, answer: Answer, *keys: str) -> str | None:
+    """What is wrong with ``answer`` as a 401 (status, the path's error shape, a key repeated)."""
+    text = answer.body.decode(errors="replace")
+    if answer.status != 401:
+        return f"{answer.status} {text[:100]}"
+    problem = fault(answer.status, answer.headers.get("content-type", ""), answer.body, target.path)
+    if problem is None and any(key in text for key in keys):
+        problem = f"a key repeated: {text[:200]}"
+    if problem is None and answer.headers.get("www-authenticate") is None:
+        problem = "no WWW-Authenticate"
+    return problem
+
+
+async def test_every_route_but_the_open_ones_refuses_a_request_without_its_key_in_its_protocols_shape(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    assert OPEN <= {t.template for t in TARGETS}, "an open route is gone: update OPEN"
+    async with fake_router(tmp_path, MODELS, router=KEYS) as router:
+        faults = []
+        for target in TARGETS:
+            if target.template in OPEN:
+                continue
+            right = _key_for(target)
+            wrong = USER if right == ADMIN else ADMIN  # the other kind of key is no key here
+            for headers in ({}, {"Authorization": f"Bearer {wrong}"}, {"x-api-key": wrong},
+                            {"Authorization": "Basic " + right}, {"Authorization": right}):
+                answer = await _ask(router.app, target, headers)
+                if (problem := _refusal_fault(target, answer, right, wrong)) is not None:
+                    faults.append(f"{target!r} {list(headers)}: {problem}")
+        assert not faults, "\n".join(faults)
+        for target in (t for t in TARGETS if t.template in OPEN):
+            assert (await _ask(router.app, target, {})).status != 401, target
+    assert not [r for r in caplog.records if USER in r.getMessage() or ADMIN in r.getMessage()]
+
+
+@pytest.mark.parametrize("headers", [
+    {"Authorization": "Bearer {key}"},  # OpenAI's SDKs, the ollama client's headers=, curl
+    {"Authorization": "bearer  {key} "},  # the scheme is case-insensitive (RFC 9110), spaces around are not the key
+    {"x-api-key": "{key}"},  # Anthropic's SDKs and Claude Code
+    {"Authorization": "Bearer placeholder", "x-api-key": "{key}"},  # a client that sends both: one is enough
+    {"Authorization": "Bearer {key}", "x-api-key": "placeholder"},
+], ids=["bearer", "lower-case-bearer", "x-api-key", "placeholder-bearer-and-x-api-key", "bearer-and-placeholder"])
+async def test_every_keyed_route_takes_its_key_as_each_client_sends_it(tmp_path: Path, headers: dict[str, str]) -> None:
+    async with fake_router(tmp_path, MODELS, router=KEYS) as router:
+        refused = []
+        for target in TARGETS:
+            sent = {name: value.format(key=_key_for(target)) for name, value in headers.items()}
+            answer = await _ask(router.app, target, sent)
+            if answer.status == 401:
+                refused.append(f"{target!r}: {answer.body[:150]!r}")
+        assert not refused, "\n".join(refused)
+
+
+@pytest.mark.parametrize(("keys", "says"), [
+    ([""], "an empty key"),  # an unset variable templated into the file: it let a request with no key through
+    (["sk-ok", " "], "an empty key"),
+    (["sk with space"], "spaces"),
+    ("sk-a-string-not-a-list", "expected a list"),
+])
+def test_a_key_no_client_can_send_is_a_config_error_that_never_repeats_a_key(keys: object, says: str) -> None:
+    for field in ("api_keys", "admin_keys"):
+        with pytest.raises(ConfigError) as caught:
+            parse_config({"router": {field: keys}, "models": MODELS}, Path("."))
+        text = str(caught.value)
+        assert f"router.{field}" in text and says in text, text
+        assert "sk-" not in text, text
+
+
+TASKS = ("llm", "embeddings", "rerank", "transcription", "speech", "vlm")
+
+
+@pytest.mark.parametrize("task", TASKS)
+async def test_a_model_server_with_a_token_refuses_every_route_without_it_in_its_protocols_shape(task: str) -> None:
+    spec = build_model_spec("tiny", {"engine": "fake", "task": task, "fake": {"token_delay_s": 0, "load_s": 0}})
+    token = "tok-0123456789"
+    app = modelserver_app(spec, make_engine(spec), token=token)
+    faults = []
+    for target in targets(app, "tiny", "tiny"):
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": "nope"}, {"Authorization": token}):
+            if (problem := _refusal_fault(target, await _ask(app, target, headers), token)) is not None:
+                faults.append(f"{target!r} {list(headers)}: {problem}")
+        for headers in ({"Authorization": f"Bearer {token}"}, {"Authorization": f"bearer {token}"},
+                        {"x-api-key": token}):
+            if (await _ask(app, target, headers)).status == 401:
+                faults.append(f"{target!r} {list(headers)}: refused")
+    assert not faults, "\n".join(faults)
