@@ -23,6 +23,7 @@ from modelserver.errors import RequestError
 __all__ = [
     "MAX_AUDIO_S",
     "MAX_SOURCE_RATE",
+    "MIN_AUDIO_S",
     "SPEECH_FORMATS",
     "WHISPER_RATE",
     "DecodedAudio",
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 WHISPER_RATE = 16_000
 #: The longest upload decoded (an hour: 230 MB of samples at 16 kHz); longer audio is a 400.
 MAX_AUDIO_S = 3600
+#: The shortest upload transcribed, as OpenAI (Whisper's feature extractor failed below 12.5 ms with a 500).
+MIN_AUDIO_S = 0.1
 #: The highest sample rate taken as audio (a header may claim any rate; 384 kHz is the highest studio rate).
 MAX_SOURCE_RATE = 384_000
 #: Samples (frames x channels) decoded at a time.
@@ -87,6 +90,9 @@ def decode_audio(data: bytes, rate: int = WHISPER_RATE) -> DecodedAudio:
         ) from None
     if mono.shape[0] == 0:
         raise RequestError("the uploaded audio file holds no samples", param="file")
+    if mono.shape[0] < MIN_AUDIO_S * rate:
+        raise RequestError(f"the uploaded audio is too short ({mono.shape[0] / rate:.3f} s); the shortest this server "
+                           f"transcribes is {MIN_AUDIO_S} s", param="file")
     mono = np.clip(mono, -1.0, 1.0).astype(np.float32, copy=False)
     return DecodedAudio(samples=mono, rate=rate, source_rate=source_rate, source_format=source_format)
 

@@ -320,6 +320,10 @@ def test_audio_is_decoded_in_blocks_and_refused_once_past_the_limit(monkeypatch:
     soundfile.write(odd, np.zeros(1000, dtype=np.float32), 1_000_000, format="WAV")  # a header, not audio
     with pytest.raises(RequestError, match="sample rate .1000000 Hz. is not one of audio"):
         audio.decode_audio(odd.getvalue())
+    short = io.BytesIO()  # 100 samples: the real Whisper's feature extractor failed with a 500 naming its source
+    soundfile.write(short, np.zeros(100, dtype=np.float32), 16_000, format="WAV")
+    with pytest.raises(RequestError, match=r"too short \(0.006 s\); the shortest .* is 0.1 s"):
+        audio.decode_audio(short.getvalue())
 
 
 async def test_a_requests_images_are_bounded_together_not_only_each(monkeypatch: pytest.MonkeyPatch) -> None:
