@@ -60,6 +60,7 @@ def _with(model: str, raw: str) -> bytes:
 def corpus(model: str, too_large_bytes: int) -> list[Case]:
     """Bodies naming ``model`` where they name one; ``too_large_bytes``: a size over the body limit."""
     chat = json.dumps(_chat(model)).encode()
+    echoed = json.dumps(_chat(model, stream=True, input="hi", instructions="a SURROGATE b")).encode()
     form = (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n" + model.encode() +
             b"\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
             b"Content-Type: audio/wav\r\n\r\nRIFF\x00\x00\r\n--b--\r\n")
@@ -80,6 +81,9 @@ def corpus(model: str, too_large_bytes: int) -> list[Case]:
         Case("utf8-bom", b"\xef\xbb\xbf" + chat),
         Case("lone-surrogate", chat.replace(b"hello", b"\\ud800")),
         Case("encoded-surrogate", chat.replace(b"hello", b"\xed\xa0\x80")),
+        # in a streamed Responses request's echoed field: the router's own encoding of the opening event failed
+        Case("lone-surrogate-echoed", echoed.replace(b"SURROGATE", b"\\ud800")),
+        Case("encoded-surrogate-echoed", echoed.replace(b"SURROGATE", b"\xed\xa0\x80")),
         Case("raw-control-chars", chat.replace(b"hello", b"\x01\x1b[2J")),
         Case("nul-bytes", b"\x00" * 64),
         # values

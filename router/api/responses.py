@@ -36,7 +36,7 @@ from starlette.types import Message, Send
 
 from router.api.responses_items import page, with_ids
 from router.api.responses_store import ResponseStore
-from router.edge.body import parse_json
+from router.edge.body import check_text, parse_json
 from router.edge.errors import BadRequest, NotFound
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ def prepare(body: bytes, store: ResponseStore) -> Prepared:
     data = parse_json(body, "the Responses API takes a JSON object with `model` and `input`")  # not a form
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object with `model` and `input`")
+    check_text(body, data)  # re-encoded below, echoed in the stream's opening, stored
     previous = data.pop("previous_response_id", None)
     items = _items(data.get("input"))
     if previous is not None:
