@@ -148,11 +148,12 @@ def _server(
 
     from modelserver.app import build_app
     from modelserver.heartbeat import Heartbeat
+    from modelserver.httpproto import JsonErrorsProtocol
 
     listen: dict[str, Any] = {"uds": args.uds} if args.uds else {"host": args.host, "port": args.port}
     config = uvicorn.Config(
         Heartbeat(build_app(runtime.spec, runtime=runtime, token=token)),  # outside: it needs uvicorn's send
-        http="httptools",
+        http=JsonErrorsProtocol,  # httptools, a malformed request answered in JSON
         loop="uvloop",
         ws="none",  # no websocket route: "auto" would import websockets (~12 ms, after a GIL-holding load)
         interface="asgi3",

@@ -80,12 +80,13 @@ def warm_imports(pairs: Sequence[str] = DEFAULT_WARM) -> None:
     ``pairs`` (the OpenVINO ones import openvino and openvino_genai: the bulk of a start's imports) and what
     their loads import later. A module that cannot be imported is left to the start itself (its error is the
     start's to report)."""
-    import uvicorn.lifespan.on  # noqa: F401 - what uvicorn.Config(lifespan="on", http="httptools", loop="uvloop") loads
+    import uvicorn.lifespan.on  # noqa: F401 - what uvicorn.Config(lifespan="on", http=JsonErrorsProtocol, loop="uvloop") loads
     import uvicorn.loops.uvloop  # noqa: F401
     import uvicorn.protocols.http.httptools_impl  # noqa: F401
 
     import modelserver.app  # noqa: F401
     import modelserver.cli  # noqa: F401
+    import modelserver.httpproto  # noqa: F401
 
     for module in warm_modules(pairs):
         try:

@@ -6,11 +6,17 @@ never repeats a key; the same for a model server given a bearer token (every rou
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from modelserver_helpers import modelserver
 
 from modelserver.app import build_app as modelserver_app
 from modelserver.engines import make_engine
@@ -133,3 +139,38 @@ async def test_a_model_server_with_a_token_refuses_every_route_without_it_in_its
             if (await _ask(app, target, headers)).status == 401:
                 faults.append(f"{target!r} {list(headers)}: refused")
     assert not faults, "\n".join(faults)
+
+
+def _raw_exchange(base_url: str, request: bytes, timeout_s: float) -> bytes:
+    host, _, port = base_url.removeprefix("http://").partition(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_a_model_server_reached_directly_answers_in_json_with_its_token_or_a_malformed_request() -> None:
+    token = "tok-direct-0123456789"
+    key = {"x-api-key": token}
+    with modelserver("--engine", "fake", env={"OVROUTER_MODEL_TOKEN": token}, wait=False) as server, \
+            server.client(timeout_s=60) as client:
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if client.get("/health", headers=key).status_code == 200:
+                    break
+            time.sleep(0.05)
+        refused = client.get("/health")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_token", refused.text
+        assert token not in refused.text
+        for request in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+                        b"GARBAGE\x00 / HTTP/1.1\r\n\r\n"):  # uvicorn answered these in plain text
+            head, _, body = _raw_exchange(server.base_url, request, 60).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head, head
+            assert "well-formed HTTP/1.1" in json.loads(body)["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "still here"}]}
+        assert client.post("/v1/chat/completions", json=chat, headers=key).status_code == 200
+        message = client.post("/v1/messages", json={**chat, "max_tokens": 4}, headers=key)
+        assert message.status_code == 200 and message.json()["type"] == "message", message.text

@@ -104,3 +104,11 @@ async def test_every_route_answers_a_method_it_does_not_take_with_a_405_in_its_p
                 if (problem := _refused_method_fault(target, answer.status, answer.headers, answer.body)) is not None:
                     faults.append(f"{task}: {target!r}: {problem}")
     assert not faults, "\n".join(faults)
+
+
+@pytest.mark.parametrize("raw", ["9" * 5000, "%C2%B2", "-1", "1e3"])  # int() refused the first two with a 500
+async def test_a_request_id_that_is_no_small_number_is_a_400_naming_it(tmp_path: Path, raw: str) -> None:
+    async with fake_router(tmp_path, MODELS) as router, router.client() as client:
+        answer = await client.post(f"/api/requests/{raw}/cancel")
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "id", answer.text
+        assert "GET /api/requests" in answer.json()["error"]["message"]

@@ -94,8 +94,8 @@ def console_routes(service: RouterService) -> list[Route]:
 
     async def cancel(request: Request) -> Response:
         raw = request.path_params["id"]
-        if not raw.isdigit():
-            raise BadRequest(f"request id must be a number, got {raw!r}", param="id")
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):  # int() refused 5000 digits, and "²", with a 500
+            raise BadRequest(f"request id must be a number from GET /api/requests, got {raw[:40]!r}", param="id")
         if not service.console.activity.cancel(int(raw)):
             raise NotFound(f"no request {raw} in flight; see GET /api/requests")
         return JSONResponse({"cancelled": int(raw)})
