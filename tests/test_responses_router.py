@@ -194,3 +194,7 @@ async def test_input_items_are_listed_as_item_resources_in_cursor_pages(sdk: ope
     assert oldest_first[2].id == call.id and oldest_first[-1].content[0].text == "thanks"
     bad = await router.client.get(f"/v1/responses/{second.id}/input_items?limit=500")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+    with pytest.raises(openai.BadRequestError, match="cannot cancel a synchronous response"):
+        await sdk.responses.cancel(second.id)  # OpenAI's answer for a response not run in the background
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.cancel("resp_unknown")

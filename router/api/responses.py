@@ -284,7 +284,8 @@ class ResponsesStream:
 
 
 def stored_response_routes(service: RouterService) -> list[Route]:
-    """``GET`` / ``DELETE /v1/responses/{id}`` (and ``GET .../input_items``) on the router's store."""
+    """``GET`` / ``DELETE /v1/responses/{id}`` (and ``GET .../input_items``, ``POST .../cancel``) on the router's
+    store."""
     from router.service import check_key, credential_of
 
     def stored(request: Request) -> tuple[str, Any]:
@@ -309,6 +310,12 @@ def stored_response_routes(service: RouterService) -> list[Route]:
         count = len(entry.conversation) - len(entry.response.get("output") or [])
         return JSONResponse(page(list(entry.conversation[:count]), dict(request.query_params)))
 
+    async def cancel(request: Request) -> Response:
+        stored(request)  # an unknown id is a 404 as for GET
+        raise BadRequest("cannot cancel a synchronous response: every response here runs to its end before it is "
+                         "answered (background mode is not served); close a stream to stop it", param="response_id")
+
     return [Route(RESPONSES_PATH + "/{id}", get, methods=["GET"]),
             Route(RESPONSES_PATH + "/{id}", delete, methods=["DELETE"]),
-            Route(RESPONSES_PATH + "/{id}/input_items", input_items, methods=["GET"])]
+            Route(RESPONSES_PATH + "/{id}/input_items", input_items, methods=["GET"]),
+            Route(RESPONSES_PATH + "/{id}/cancel", cancel, methods=["POST"])]
