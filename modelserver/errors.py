@@ -183,7 +183,7 @@ def classify(
     suspect when it contains one of ``suspect_patterns``, else an ordinary engine error."""
     if isinstance(exc, ModelServerError):
         return exc
-    text = str(exc).strip() or type(exc).__name__
+    text = " ".join(str(exc).split()) or type(exc).__name__  # one line: OpenVINO's come with C++ locations
     if matches(text, fatal_patterns):
         return FatalEngineError(f"engine failed beyond repair: {text}")
     if matches(text, suspect_patterns):

@@ -8,6 +8,14 @@ away. Concurrent requests therefore share each step (continuous batching) instea
 queuing behind a lock. ``step()`` holds the GIL while it runs, so the event loop gets its
 turn between steps; the per-step work left to it (a short decode, one SSE write per
 stream) is small next to a step.
+
+A ``step()`` that raises leaves the pipeline unusable: openvino_genai's scheduler stays "in
+its scheduling phase", and every later step fails with ``Check 'get_num_scheduled_tokens()
+== 0' failed`` (seen in a chaos soak: one ``std::future_error`` mid-step, then every request
+of that process a 500 while its ``/health`` answered 200, until the router was stopped). So
+the pump answers the requests in flight, and every later one, with a
+:class:`~modelserver.errors.FatalEngineError` and never steps again: the process answers
+and exits, and the router replaces it and retries or resumes its requests.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from modelserver.engines.ov_options import (
 from modelserver.engines.task_check import check_generative
 from modelserver.engines.task_options import task_options
 from modelserver.engines.tokens import TokenizerIds
-from modelserver.errors import EngineError, LoadError, RequestError
+from modelserver.errors import EngineError, FatalEngineError, LoadError, RequestError
 from modelserver.modelfiles import context_length
 from modelserver.prefixcache import PrefixTracker, block_size_for, scheduler_for
 from modelserver.spec import ModelSpec
@@ -94,7 +102,7 @@ class Pump:
         self._wake = threading.Event()
         self._active: dict[int, Ticket] = {}
         self._stopping = False
-        self._broken = False
+        self._failed: FatalEngineError | None = None  # a step raised: the pipeline is never stepped again
         self.completed = 0
         self.cancelled = 0
         self.metrics: Any = None  # the pipeline's PipelineMetrics after the last step (read by /health)
@@ -138,14 +146,16 @@ class Pump:
         while not self._stopping:
             try:
                 self._iterate()
-            except Exception as exc:  # the pipeline failed: every request in flight fails with it
+            except Exception as exc:  # the pipeline failed: every request in flight fails with it, and any later
+                self._failed = FatalEngineError(
+                    f"engine failed beyond repair: the pipeline's step failed ({one_line(exc)}); "
+                    "a failed step leaves the pipeline unusable, so the process is replaced")
                 self._fail_all(exc)
-                self._broken = True  # step again only for a new request, never in a failing loop
 
     def _iterate(self) -> None:
         self._admit()
         self._drop_cancelled()
-        if not self._active and (self._broken or not self._pipe.has_non_finished_requests()):
+        if not self._active and (self._failed is not None or not self._pipe.has_non_finished_requests()):
             self.advanced_at = time.monotonic()
             self._wake.wait()
             self._wake.clear()
@@ -154,7 +164,6 @@ class Pump:
         self._pipe.step()
         self.advanced_at = time.monotonic()
         self.metrics = self._pipe.get_metrics()
-        self._broken = False
         self._publish()
 
     def _admit(self) -> None:
@@ -164,6 +173,9 @@ class Pump:
             except queue.Empty:
                 return
             if ticket.cancelled.is_set():
+                continue
+            if self._failed is not None:
+                ticket.deliver(self._failed)
                 continue
             try:
                 ticket.handle = self._pipe.add_request(ticket.request_id, ticket.input_ids, ticket.config)
@@ -219,7 +231,7 @@ class Pump:
     def _fail_all(self, exc: Exception) -> None:
         log.error("pipeline step failed with %d requests in flight: %s", len(self._active), one_line(exc))
         for ticket in self._active.values():
-            ticket.deliver(exc)
+            ticket.deliver(self._failed or exc)
             with contextlib.suppress(Exception):
                 ticket.handle.cancel()
         self._active.clear()
