@@ -184,7 +184,11 @@ async def client_loop(session: aiohttp.ClientSession, url: str, names: list[str]
 
 
 def signal_model(router: Router, name: str, sig: signal.Signals) -> bool:
-    pid = router.pid(name)
+    return signal_pid(router.pid(name), sig)
+
+
+def signal_pid(pid: int | None, sig: signal.Signals) -> bool:
+    """Send ``sig`` to ``pid``; False when there is none or it is gone."""
     if pid is None:
         return False
     with contextlib.suppress(ProcessLookupError):

@@ -61,6 +61,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from bench.chaos import signal_pid
 from bench.procs import Procs
 from bench.realmodel import DEMO_GGUF
 from bench.routerctl import Router, fake_model, router_config, start_router, write_config
@@ -266,12 +267,7 @@ class Soak:
         return found
 
     async def signal(self, pid: int | None, sig: signal.Signals) -> bool:
-        if pid is None:
-            return False
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-            return True
-        return False
+        return signal_pid(pid, sig)
 
     async def write(self) -> None:
         await asyncio.to_thread(write_config, self.router.config_path, self.config)
