@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -141,14 +142,24 @@ async def test_a_model_server_with_a_token_refuses_every_route_without_it_in_its
     assert not faults, "\n".join(faults)
 
 
-def _raw_exchange(base_url: str, request: bytes, timeout_s: float) -> bytes:
+def _raw_exchange(base_url: str, request: bytes, timeout_s: float) -> tuple[bytes, dict[str, Any]]:
+    """``request`` sent from a thread (the server may answer and close before it is all sent); the answer's
+    head and its JSON body."""
     host, _, port = base_url.removeprefix("http://").partition(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        sock.sendall(request)
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                sock.sendall(request)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
         reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    return reply
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+        sender.join(timeout_s)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return head, json.loads(body)
 
 
 def test_a_model_server_reached_directly_answers_in_json_with_its_token_or_a_malformed_request() -> None:
@@ -165,11 +176,16 @@ def test_a_model_server_reached_directly_answers_in_json_with_its_token_or_a_mal
         refused = client.get("/health")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_token", refused.text
         assert token not in refused.text
-        for request in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
-                        b"GARBAGE\x00 / HTTP/1.1\r\n\r\n"):  # uvicorn answered these in plain text
-            head, _, body = _raw_exchange(server.base_url, request, 60).partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head, head
-            assert "well-formed HTTP/1.1" in json.loads(body)["error"]["message"]
+        many = b"".join(b"x-h%d: v\r\n" % i for i in range(10_000))
+        for request, status, says in [  # uvicorn answered the first two in plain text, and the others 401
+            (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, "well-formed"),
+            (b"GARBAGE\x00 / HTTP/1.1\r\n\r\n", 400, "well-formed"),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\nx-big: " + b"v" * (8 << 20) + b"\r\n\r\n", 431, "larger than"),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n", 431, "more than 100 headers"),
+        ]:
+            head, error = _raw_exchange(server.base_url, request, 60)
+            assert head.startswith(b"HTTP/1.1 %d" % status) and b"content-type: application/json" in head, head
+            assert says in error["error"]["message"], error
         chat = {"messages": [{"role": "user", "content": "still here"}]}
         assert client.post("/v1/chat/completions", json=chat, headers=key).status_code == 200
         message = client.post("/v1/messages", json={**chat, "max_tokens": 4}, headers=key)
