@@ -269,7 +269,7 @@ def schema_grammar(schema: Any) -> str | None:
     builder = _SchemaGrammar(schema if isinstance(schema, dict) else {})
     try:
         return builder.text(builder.visit(schema))
-    except (Unsupported, KeyError, TypeError, ValueError):
+    except (Unsupported, KeyError, TypeError, ValueError, RecursionError):  # XGrammar's own support then
         return None
 
 
@@ -348,6 +348,17 @@ def _check_keywords(schema: dict[str, Any], where: str) -> None:
 
 
 def _check_ref(ref: Any, root: Any, where: str) -> None:
+    node = _resolve(ref, root, where)
+    seen = set()
+    while isinstance(node, dict) and "$ref" in node and not set(node) - _IGNORED - {"$ref"}:
+        if id(node) in seen:  # {"$ref": "#"}: the grammar builder recursed until Python's limit, a 500
+            raise GrammarError(f"{where}.$ref: {ref} leads back to itself through references alone; "
+                               "a schema must describe a value")
+        seen.add(id(node))
+        node = _resolve(node["$ref"], root, where)
+
+
+def _resolve(ref: Any, root: Any, where: str) -> Any:
     node = root
     if not isinstance(ref, str) or not ref.startswith("#"):
         raise GrammarError(f"{where}.$ref: only local references (#/$defs/...) are supported")
@@ -355,6 +366,7 @@ def _check_ref(ref: Any, root: Any, where: str) -> None:
         if not isinstance(node, dict) or part not in node:
             raise GrammarError(f"{where}.$ref: {ref} does not resolve in this schema")
         node = node[part]
+    return node
 
 
 #: What XGrammar's regex converter refuses, found in the pattern with its escapes taken out (``\\x`` -> ``_``):

@@ -354,6 +354,34 @@ async def test_a_requests_images_are_bounded_together_not_only_each(monkeypatch:
         assert (await client.post("/v1/chat/completions", json=ask(1))).status_code == 200
 
 
+def _schema_chat(schema: Any) -> dict[str, Any]:
+    return {"messages": USER, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize(("schema", "says"), [
+    ({"$ref": "#"}, "schema.$ref: # leads back to itself"),  # the grammar builder recursed to Python's limit: a 500
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "leads back to itself"),
+])
+async def test_a_schema_of_references_alone_that_loop_is_a_400(fake_llm: httpx.AsyncClient, schema: Any,
+                                                                  says: str) -> None:
+    assert_400(await fake_llm.post("/v1/chat/completions", json=_schema_chat(schema)), "response_format", says)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "minItems": 10**9, "items": {"type": "integer"}},  # the fake built a billion items: killed as hung
+    {"type": "string", "minLength": 10**9},
+    {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+     "$ref": "#/$defs/n"},  # no finite answer: the fake's example recursed to Python's limit, a 500
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},  # left to XGrammar's own schema support
+])
+async def test_a_schema_asking_for_endless_output_is_answered_within_max_tokens(fake_llm: httpx.AsyncClient,
+                                                                                  schema: Any) -> None:
+    answer = await fake_llm.post("/v1/chat/completions", json=_schema_chat(schema))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] <= 8
+
+
 async def test_fake_rerank_refuses_a_pair_above_max_length_unless_truncate() -> None:
     async with fake_client("rerank", FakeReranker, max_length=8) as client:
         body = {"query": "a b c", "documents": ["d e", "f " * 6]}

@@ -239,49 +239,58 @@ def _continue_prompt(prompt: str) -> list[str] | None:
     return _pieces(echo[len(done):])
 
 
-def example_of(schema: Any, root: Any = None) -> Any:
-    """A small value valid for ``schema`` (first enum value, minimum, every listed property...)."""
+#: The longest string or array, and the deepest nesting, an example has: a schema may ask for a billion items
+#: (``minItems: 1e9`` hung the fake process until it was killed) or recurse without end through ``required``;
+#: the real engine stops such an answer at ``max_tokens``.
+_EXAMPLE_MAX_ITEMS = 4096
+_EXAMPLE_MAX_DEPTH = 32
+
+
+def example_of(schema: Any, root: Any = None, depth: int = 0) -> Any:
+    """A small value valid for ``schema`` (first enum value, minimum, every listed property...), cut at
+    :data:`_EXAMPLE_MAX_ITEMS` items and :data:`_EXAMPLE_MAX_DEPTH` levels."""
     root = schema if root is None else root
-    if not isinstance(schema, dict) or not schema:
+    if not isinstance(schema, dict) or not schema or depth > _EXAMPLE_MAX_DEPTH:
         return "fake"
     if "$ref" in schema:
         ref = str(schema["$ref"])
         for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
             if ref.startswith(prefix):
-                return example_of((root.get(key) or {}).get(ref[len(prefix) :], {}), root)
-        return example_of(root, root) if ref == "#" else "fake"
+                return example_of((root.get(key) or {}).get(ref[len(prefix) :], {}), root, depth + 1)
+        return example_of(root, root, depth + 1) if ref == "#" else "fake"
     if "enum" in schema and schema["enum"]:
         return schema["enum"][0]
     if "const" in schema:
         return schema["const"]
     for key in ("anyOf", "oneOf", "allOf"):
         if schema.get(key):
-            return example_of(schema[key][0], root)
+            return example_of(schema[key][0], root, depth + 1)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
-    return _EXAMPLES.get(kind or ("object" if "properties" in schema else ""), lambda s, r: "fake")(schema, root)
+    example = _EXAMPLES.get(kind or ("object" if "properties" in schema else ""), lambda s, r, d: "fake")
+    return example(schema, root, depth + 1)
 
 
-def _example_string(schema: dict[str, Any], root: Any) -> str:
-    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+def _example_string(schema: dict[str, Any], root: Any, depth: int) -> str:
+    low, high = min(int(schema.get("minLength", 0)), _EXAMPLE_MAX_ITEMS), schema.get("maxLength")
     text = "fake".ljust(low, "e")
     return text[: int(high)] if high is not None else text
 
 
-def _example_array(schema: dict[str, Any], root: Any) -> list[Any]:
-    count = int(schema.get("minItems", 1 if schema.get("maxItems", 1) else 0))
-    return [example_of(schema.get("items", {}), root) for _ in range(count)]
+def _example_array(schema: dict[str, Any], root: Any, depth: int) -> list[Any]:
+    count = min(int(schema.get("minItems", 1 if schema.get("maxItems", 1) else 0)), _EXAMPLE_MAX_ITEMS)
+    return [example_of(schema.get("items", {}), root, depth) for _ in range(count)]
 
 
 _EXAMPLES: dict[str, Any] = {
-    "object": lambda s, r: {k: example_of(v, r) for k, v in (s.get("properties") or {}).items()},
+    "object": lambda s, r, d: {k: example_of(v, r, d) for k, v in (s.get("properties") or {}).items()},
     "array": _example_array,
     "string": _example_string,
-    "integer": lambda s, r: int(s.get("minimum", 1)),
-    "number": lambda s, r: float(s.get("minimum", 1.5)),
-    "boolean": lambda s, r: True,
-    "null": lambda s, r: None,
+    "integer": lambda s, r, d: int(s.get("minimum", 1)),
+    "number": lambda s, r, d: float(s.get("minimum", 1.5)),
+    "boolean": lambda s, r, d: True,
+    "null": lambda s, r, d: None,
 }
 
 
