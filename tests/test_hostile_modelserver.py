@@ -369,7 +369,7 @@ async def test_a_schema_of_references_alone_that_loop_is_a_400(fake_llm: httpx.A
 
 
 @pytest.mark.parametrize("schema", [
-    {"type": "array", "minItems": 10**9, "items": {"type": "integer"}},  # the fake built a billion items: killed as hung
+    {"type": "array", "minItems": 10**9, "items": {"type": "integer"}},  # the fake built 1e9 items: killed as hung
     {"type": "string", "minLength": 10**9},
     {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
      "$ref": "#/$defs/n"},  # no finite answer: the fake's example recursed to Python's limit, a 500
