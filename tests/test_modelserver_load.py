@@ -88,3 +88,28 @@ def test_a_converted_folder_without_its_tokenizer_is_converted_again(demo_gguf: 
     with modelserver(spec=spec, ready_timeout_s=180) as again:
         assert "(gguf (converting to IR))" in again.log_text()
     assert (converted / "openvino_detokenizer.xml").is_file()
+
+
+@pytest.mark.parametrize(("option", "asked", "loaded"), [
+    (None, [True, False], False),  # unset: built with word timings, and without where they are refused
+    (False, [False], False),  # never asked
+])
+def test_whisper_word_timestamps_fall_back_only_when_unset(monkeypatch: pytest.MonkeyPatch, option: bool | None,
+                                                           asked: list[bool], loaded: bool) -> None:
+    from modelserver.engines import transcription
+
+    tried: list[bool] = []
+
+    def refusing(path: str, device: str, **properties: Any) -> object:
+        tried.append(bool(properties.get("word_timestamps")))
+        if properties.get("word_timestamps"):
+            raise RuntimeError("word timestamps need alignment heads")
+        return object()
+
+    monkeypatch.setattr(transcription.ov_genai, "WhisperPipeline", refusing)
+    spec = build_model_spec("w", {"task": "transcription", "path": "/nowhere"})
+    pipe, words = transcription._pipeline(Path("/nowhere"), spec, {}, option)
+    assert tried == asked and words is loaded and pipe is not None
+    tried.clear()
+    with pytest.raises(transcription.LoadError, match="alignment heads"):  # asked for explicitly: the load fails
+        transcription._pipeline(Path("/nowhere"), spec, {}, True)

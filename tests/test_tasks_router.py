@@ -7,6 +7,7 @@ ordering end to end (client -> router -> model server -> TextEmbeddingPipeline).
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,12 @@ async def test_whisper_english_only_refuses_to_translate_through_the_sdk(tmp_pat
         assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "model"
         heard = await client.audio.transcriptions.create(model="whisper", file=("s.flac", speech_file("flac")))
         assert "bananas" in heard.text.lower(), "the same process keeps transcribing"
+        raw = await client.audio.transcriptions.with_raw_response.create(  # word timings without any option
+            model="whisper", file=("s.flac", speech_file("flac")), response_format="verbose_json",
+            timestamp_granularities=["word", "segment"])
+        check(json.loads(raw.text), "CreateTranscriptionResponseVerboseJson")
+        words = [w.word.lower().strip(",.") for w in raw.parse().words or []]
+        assert "john" in words and "bananas" in words, words
         stream = await client.audio.transcriptions.create(model="whisper", file=("s.flac", speech_file("flac")),
                                                           stream=True)
         events = [event async for event in stream]  # deltas as Whisper decodes, through the router, then the text

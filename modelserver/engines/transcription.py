@@ -6,12 +6,15 @@ model's ``lang_to_id`` (an English-only model accepts only ``en``), so a typo is
 rather than an engine error.
 
 ``options`` (all optional): ``word_timestamps`` (build the pipeline able to return word
-timings, needed for ``timestamp_granularities=["word"]``), ``max_new_tokens``.
+timings, needed for ``timestamp_granularities=["word"]``; unset, the pipeline is built with them
+and, if openvino_genai refuses that for the model or device, without: ``false`` never asks),
+``max_new_tokens``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from modelserver.spec import ModelSpec
 __all__ = ["OPTIONS", "OpenVINOTranscriber", "load"]
 
 OPTIONS: dict[str, type | tuple[type, ...]] = {"word_timestamps": bool, "max_new_tokens": int}
+
+log = logging.getLogger(__name__)
 
 
 class Languages:
@@ -93,8 +98,9 @@ class OpenVINOTranscriber:
     def _generation_kwargs(self, request: TranscriptionRequest) -> dict[str, Any]:
         if request.word_timestamps and not self._options.get("word_timestamps"):
             raise UnsupportedParameter(
-                "timestamp_granularities: word timings are off for this model; "
-                "set options.word_timestamps: true in its config", param="timestamp_granularities")
+                "timestamp_granularities: word timings are off for this model (options.word_timestamps: false "
+                "in its config, or its pipeline could not give them: see the model's log)",
+                param="timestamp_granularities")
         kwargs: dict[str, Any] = {"return_timestamps": request.segment_timestamps}
         language = self._languages.token(request.language, request.task)
         if language is not None:
@@ -126,15 +132,27 @@ def load(spec: ModelSpec) -> OpenVINOTranscriber:
     started = time.monotonic()
     path = ir_folder(spec, ("openvino_encoder_model.xml", "openvino_decoder_model.xml", "openvino_tokenizer.xml"))
     options = task_options(spec, OPTIONS)
-    properties = ov_properties(spec)
-    if options.get("word_timestamps"):
-        properties["word_timestamps"] = True
+    pipe, words = _pipeline(path, spec, ov_properties(spec), options.get("word_timestamps"))
+    languages = Languages(_generation_config(path))
+    return OpenVINOTranscriber(spec, pipe, languages, {**options, "word_timestamps": words},
+                               time.monotonic() - started)
+
+
+def _pipeline(path: Path, spec: ModelSpec, properties: dict[str, Any], words: bool | None) -> tuple[Any, bool]:
+    """The pipeline, and whether it gives word timings: asked for unless ``words`` is False (OpenAI's
+    whisper-1 always can); unset, a pipeline that cannot be built with them is built without."""
+    if words is not False:
+        try:
+            return ov_genai.WhisperPipeline(str(path), spec.device, **properties, word_timestamps=True), True
+        except Exception as exc:
+            if words:
+                raise LoadError(one_line(exc)) from None
+            log.warning("%s: no word timings (openvino_genai refused word_timestamps: %s); loading without",
+                        spec.name, one_line(exc))
     try:
-        pipe = ov_genai.WhisperPipeline(str(path), spec.device, **properties)
+        return ov_genai.WhisperPipeline(str(path), spec.device, **properties), False
     except Exception as exc:
         raise LoadError(one_line(exc)) from None
-    languages = Languages(_generation_config(path))
-    return OpenVINOTranscriber(spec, pipe, languages, options, time.monotonic() - started)
 
 
 def _generation_config(path: Path) -> dict[str, Any]:
