@@ -79,6 +79,7 @@ EDITABLE = ("alpha", "beta", "slow")
 class Tally:
     outcomes: Counter[tuple[str, str, str]] = field(default_factory=Counter)  # (model, kind, cause)
     episodes: Counter[str] = field(default_factory=Counter)
+    failed_in: Counter[tuple[str, str]] = field(default_factory=Counter)  # (episode, cause) of requests not ok
     problems: list[str] = field(default_factory=list)
     samples: dict[tuple[str, str], str] = field(default_factory=dict)
     seen_pids: dict[int, float] = field(default_factory=dict)  # pid -> create_time of every router descendant
@@ -200,6 +201,7 @@ class Soak:
         self.state_dir = state_dir
         self.removed: dict[str, float] = {}  # model -> when it last left the config (404s expected meanwhile)
         self.pending: set[asyncio.Task[Any]] = set()
+        self.episode = "warm-up"  # the episode under way (or the last one), for the failures' report
 
     # ---- load -------------------------------------------------------------------------------------------------
 
@@ -207,11 +209,16 @@ class Soak:
         path, body, expect = request_for(model, kind, self.rng, max_tokens)
         started = time.monotonic()
         cause = await one(self.session, self.router.url, path, body, self.tally, expect)
-        if cause == "http 404" and model in self.removed:
+        if cause == "http 404" and (model in self.removed or model not in self.config["models"]):
             cause = "404 (removed)"
+        if self.episode == "finale (kill -9)" and cause in ("conn", "cut"):
+            cause = "router killed"
         self.tally.outcomes[(model, kind, cause)] += 1
-        if cause in ("hung", "cut", "garbled", "bad error") or (model == "calm" and cause != "ok"):
-            self.tally.problem(f"{model} {kind} {cause} after {time.monotonic() - started:.1f} s")
+        if cause != "ok":
+            self.tally.failed_in[(self.episode, cause)] += 1
+        calm_failed = model == "calm" and cause not in ("ok", "router killed")
+        if cause in ("hung", "cut", "garbled", "bad error") or calm_failed:
+            self.tally.problem(f"{model} {kind} {cause} after {time.monotonic() - started:.1f} s in {self.episode}")
         return cause
 
     async def client(self, until: float, seed: int) -> None:
@@ -510,6 +517,25 @@ class Soak:
         else:
             await self.post(f"/api/models/{name}/{action}")
 
+    async def finale(self, kill: bool) -> None:
+        """The router goes (``kill -9``, or SIGTERM) in the middle of things: cold starts with requests waiting, a
+        spare SIGSTOPped, a rolling change and streams under way."""
+        for pid in await self.spare_pids():
+            await self.signal(pid, signal.SIGSTOP)
+        for name in ("alpha", "beta"):
+            await self.post(f"/api/models/{name}/unload")
+        busy = [self.background(self.send(name, kind, 40)) for name in ("alpha", "beta", "slow", "emb", "calm")
+                for kind in (("emb",) if name == "emb" else ("chat-s", "compl"))]
+        self.change("slow")
+        await self.write()
+        await asyncio.sleep(self.rng.uniform(0.1, 1.0))
+        self.descendants()
+        log.info("finale: %s the router with %d requests under way", "kill -9" if kill else "SIGTERM", len(busy))
+        self.episode = "finale (kill -9)" if kill else "finale (SIGTERM)"
+        self.router.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        await asyncio.to_thread(self.router.proc.wait, 60)
+        await asyncio.gather(*busy, return_exceptions=True)
+
     EPISODES = ("stop_edit", "kill_roll", "unload_stream", "remove_stream", "flip", "stop_spare", "invalid_yaml",
                 "kill_emb", "stop_unload", "edit_unload", "restart_stop_new", "marker_edit",
                 "kill_starting", "remove_starting", "supervisor_edit", "storm", "real_fault")
@@ -573,7 +599,7 @@ class Soak:
 
 
 async def run(router: Router, config: dict[str, Any], seconds: float, seed: int, state_dir: Path,
-              only: tuple[str, ...]) -> Tally:
+              only: tuple[str, ...], kill_router: bool) -> Tally:
     rng, tally = random.Random(seed), Tally()
     until = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -584,6 +610,7 @@ async def run(router: Router, config: dict[str, Any], seconds: float, seed: int,
         while time.monotonic() < until - 10:
             episode = rng.choice(episodes)
             tally.episodes[episode] += 1
+            soak.episode = episode
             log.info("episode %s", episode)
             started = time.monotonic()
             try:
@@ -594,7 +621,7 @@ async def run(router: Router, config: dict[str, Any], seconds: float, seed: int,
             await soak.check(episode)
             log.info("episode %s done in %.1f s", episode, time.monotonic() - started)
         await asyncio.gather(*clients, *list(soak.pending))
-        soak.descendants()
+        await soak.finale(kill_router)
     return tally
 
 
@@ -625,12 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         config = router_config(state_dir, base_models(not args.no_real),
                                {"health_interval_s": 1, "health_failures": 2, "request_timeout_s": 50})
         router = start_router(procs, Path(tmp), config)
-        tally = asyncio.run(run(router, config, min(args.seconds, 600.0), args.seed, state_dir, only))
-        if args.sigterm:
-            procs.stop(router.proc, timeout_s=30)
-        else:
-            router.proc.kill()
-            router.proc.wait(10)
+        tally = asyncio.run(run(router, config, min(args.seconds, 600.0), args.seed, state_dir, only,
+                                not args.sigterm))
+        procs.stop(router.proc, timeout_s=30)  # after a kill -9 only reaps it
         deadline = time.monotonic() + 5
         while (left := survivors(tally.seen_pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -658,6 +682,7 @@ def print_report(tally: Tally, wall_s: float, tracebacks: int) -> None:
         if cause != "ok":
             print(f"  {model:<8} {kind:<8} {cause:<14} {count}")
     print(f"requests by outcome: {dict(by_cause)}")
+    print(f"requests not ok, by the episode under way: {dict(tally.failed_in)}")
     for (model, what), sample in sorted(tally.samples.items()):
         print(f"  first {what} of {model}: {sample}")
     for problem in tally.problems:

@@ -378,13 +378,19 @@ async def watch(rt: Runtime[Any], current: Callable[[], BackendSpec], running: R
 
 
 async def terminate(rt: Runtime[Any], spec: BackendSpec, running: Running, logs: LogBuffer | None = None) -> int | None:
-    """SIGTERM the group, wait ``stop_timeout_s``, SIGKILL the group, reap. Returns the exit code."""
+    """SIGTERM the group, wait ``stop_timeout_s``, SIGKILL the group, reap. Returns the exit code.
+
+    A process stopped by a signal (SIGSTOP, SIGTSTP) acts on no SIGTERM until it runs again, so it gets a
+    SIGCONT after it (as systemd sends one): its stop is then the graceful one, not ``stop_timeout_s`` of
+    waiting (10 s by default, during which the model's next start waited too) and a SIGKILL."""
     handle = running.handle
     if handle is None:
         running.exited.cancel()
         return None
     if not running.exited.done():
         handle.signal_group(signal.SIGTERM)
+        if stopped(running):
+            handle.signal_group(signal.SIGCONT)
         if not await rt.wait_done(running.exited, spec.stop_timeout_s):
             log.warning(
                 "%s pid=%d still running %gs after SIGTERM; sending SIGKILL", spec.name, handle.pid, spec.stop_timeout_s

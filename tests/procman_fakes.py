@@ -120,10 +120,14 @@ class FakeProcess:
             self._on_line(line)
 
     def signal_group(self, sig: int) -> None:
+        """SIGKILL ends it; SIGTERM too unless ``ignore_term``, but a ``sigstopped`` one acts on it only once a
+        SIGCONT lets it run again (as a real stopped process)."""
         self.signals.append(sig)
+        if sig == signal.SIGCONT:
+            self.sigstopped = False
         if sig == signal.SIGKILL:
             self.exit(-signal.SIGKILL)
-        elif sig == signal.SIGTERM and not self.ignore_term:
+        elif signal.SIGTERM in self.signals and not self.ignore_term and not self.sigstopped:
             self.exit(-signal.SIGTERM)
 
     def serves(self, address: Address) -> bool:

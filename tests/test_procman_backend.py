@@ -566,6 +566,26 @@ async def test_stop_without_drain_kills_at_once(h: Harness) -> None:
     assert backend.in_flight == 0
 
 
+async def test_an_unload_of_a_process_stopped_from_outside_continues_it_so_its_sigterm_acts(h: Harness) -> None:
+    """A SIGSTOPped process acts on no SIGTERM: the unload waited stop_timeout_s, then SIGKILLed it (the model's
+    next start waiting meanwhile). A SIGCONT after the SIGTERM lets it stop gracefully, with no wait."""
+    backend = h.add(stop_timeout_s=600.0)
+    await backend.ensure_ready()
+    proc = h.spawner.last
+    proc.sigstopped = True
+    await backend.stop("unload")  # no clock advance: the fake clock never reaches stop_timeout_s
+    assert proc.signals[:2] == [signal.SIGTERM, signal.SIGCONT] and proc.returncode == -signal.SIGTERM
+    assert backend.state is State.STOPPED
+
+
+async def test_a_running_process_gets_no_sigcont_on_its_stop(h: Harness) -> None:
+    backend = h.add()
+    await backend.ensure_ready()
+    proc = h.spawner.last
+    await backend.stop("unload")
+    assert signal.SIGCONT not in proc.signals and proc.returncode == -signal.SIGTERM
+
+
 async def test_idle_stop_after_the_last_request_finishes(h: Harness) -> None:
     backend = h.add(idle_timeout_s=60.0)
     async with backend.request():

@@ -1,7 +1,7 @@
 """procman against real processes: the fake-engine model server and a stdlib stand-in server.
 
 Ready over a Unix socket and over TCP, a crash noticed at once and relaunched, a hang
-killed after failed probes, a child that ignores SIGTERM, the whole process group killed,
+killed after failed probes, a child that ignores SIGTERM, a SIGSTOPped child stopped by its SIGTERM, the whole process group killed,
 a crash loop that backs off and recovers, a start that fails at once with the reason.
 Waits are on conditions (readiness, a new generation), bounded, never fixed sleeps.
 """
@@ -189,6 +189,19 @@ async def test_child_that_ignores_sigterm_is_sigkilled(manager: ProcessManager) 
     await eventually(lambda: "ignoring SIGTERM" in backend.logs.tail(), 30.0, "the child set SIG_IGN")
     await backend.stop()
     assert backend.exit_code == -signal.SIGKILL and gone(pid)
+
+
+async def test_a_sigstopped_child_stops_on_its_sigterm_not_after_stop_timeout(manager: ProcessManager) -> None:
+    """A stopped process acts on no SIGTERM until it runs again: the stop continues it (SIGCONT), so it exits by
+    the SIGTERM, not by the SIGKILL after ``stop_timeout_s`` (600 s here: past the test's own timeout)."""
+    backend = add(manager, Server("standin"), "uds", stop_timeout_s=600.0)
+    await backend.ensure_ready()
+    pid = backend.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    await eventually(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, 30.0, "the child stopped")
+    await backend.stop("unload")
+    assert backend.exit_code == -signal.SIGTERM and gone(pid)
 
 
 async def test_stop_kills_the_whole_process_group(manager: ProcessManager) -> None:
