@@ -1,8 +1,9 @@
 """procman against real processes: the fake-engine model server and a stdlib stand-in server.
 
 Ready over a Unix socket and over TCP, a crash noticed at once and relaunched, a hang
-killed after failed probes, a child that ignores SIGTERM, a SIGSTOPped child stopped by its SIGTERM, the whole process group killed,
-a crash loop that backs off and recovers, a start that fails at once with the reason.
+killed after failed probes, a child that ignores SIGTERM, a SIGSTOPped child stopped by its
+SIGTERM, the whole process group killed, a crash loop that backs off and recovers, a start
+that fails at once with the reason.
 Waits are on conditions (readiness, a new generation), bounded, never fixed sleeps.
 """
 
