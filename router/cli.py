@@ -110,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=port,
         loop="uvloop",
         http=GuardedHttpProtocol.with_limits(limits),  # httptools, one write per loop turn, bounded connections
+        ws="none",  # no websocket route: an Upgrade request is answered as plain HTTP, in JSON (was an empty 403)
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]  # a float works
         log_level=args.log_level,
         access_log=False,

@@ -420,6 +420,18 @@ def test_a_1_mib_header_is_a_431_and_never_reaches_the_backend(router: Router) -
     serves(router)
 
 
+@pytest.mark.parametrize("upgrade", ["websocket", "h2c"])
+def test_an_upgrade_request_is_answered_as_plain_http_in_json(router: Router, upgrade: str) -> None:
+    # a websocket upgrade was an empty text/plain 403 from uvicorn's websocket protocol
+    head = (f"GET {{}} HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, close\r\nupgrade: {upgrade}\r\n"
+            "sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+    health = raw(router.port, head.format("/health").encode())
+    assert health.status == 200 and json.loads(health.body)["status"] == "ok"
+    refused = raw(router.port, head.format("/v1/chat/completions").encode())
+    assert refused.status == 405 and refused.error()["code"] == "method_not_allowed"
+    serves(router)
+
+
 def test_a_normal_request_over_a_raw_socket_still_passes(router: Router) -> None:
     reply = raw(router.port, post("/v1/chat/completions", CHAT))
     assert reply.status == 200 and json.loads(reply.body)["choices"], reply

@@ -146,6 +146,10 @@ class GuardedHttpProtocol(CoalescingHttpToolsProtocol):
         oldest.transport.close()
         return True
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's two warnings for every Upgrade request (websocket, h2c), which is answered as plain HTTP."""
+        _log_rarely("upgrade", "an Upgrade request was answered as plain HTTP (the router serves no websocket)")
+
     def data_received(self, data: bytes) -> None:
         """uvicorn's, with its parser errors (and this class's refusals) answered in JSON."""
         self._unset_keepalive_if_required()
