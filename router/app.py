@@ -50,6 +50,7 @@ OPENAI_ROUTES = (
     "/v1/completions",
     "/v1/embeddings",
     "/v1/rerank",
+    "/v2/rerank",  # Cohere's v2 SDK (the model server serves both)
     "/v1/audio/speech",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",

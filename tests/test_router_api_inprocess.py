@@ -181,6 +181,20 @@ async def test_models_of_other_tasks_route_by_model_field(tmp_path: Path) -> Non
         assert r.upstream.calls[0].path == "/v1/embeddings" and r.backend("chat").state is State.STOPPED
 
 
+async def test_cohere_v2_rerank_path_routes_like_v1(tmp_path: Path) -> None:
+    # the model server serves /v2/rerank (Cohere's v2 SDK) and the router answered it 404
+    async with fake_router(tmp_path, {"rr": model(task="rerank"), "chat": model()}) as r, r.client() as client:
+        async def ranks(call: Call) -> FakeReply:
+            return FakeReply.json(200, {"results": [{"index": 0, "relevance_score": 0.5}]})
+
+        r.upstream.handler = ranks
+        body = {"model": "rr", "query": "q", "documents": ["a"]}
+        assert (await client.post("/v2/rerank", json=body)).status_code == 200
+        assert r.upstream.calls[-1].path == "/v2/rerank"
+        wrong = await client.post("/v2/rerank", json={**body, "model": "chat"})
+        assert wrong.status_code == 400 and "needs task rerank" in wrong.json()["error"]["message"]
+
+
 async def test_metrics_endpoint_exposes_the_documented_series(tmp_path: Path) -> None:
     async with fake_router(tmp_path, {"echo": model()}) as r, r.client() as client:
         await client.post("/v1/chat/completions", json=chat("echo"))

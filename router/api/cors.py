@@ -6,8 +6,8 @@ origins ``http://localhost:*``, ``http://127.0.0.1:*`` and ``http://[::1]:*`` (a
 works with no setting. A list replaces that default: ``["*"]`` allows every origin, ``[]``
 none (no header, and a preflight is an ordinary request).
 
-Requests under ``/v1``, ``/models``, ``/tokenize``, ``/detokenize``, ``/ollama`` and ``/upstream`` get
-Starlette's CORS handling: preflights (``OPTIONS`` with ``Access-Control-Request-Method``)
+Requests under ``/v1`` (and ``/v2/rerank``), ``/models``, ``/tokenize``, ``/detokenize``, ``/ollama`` and
+``/upstream`` get Starlette's CORS handling: preflights (``OPTIONS`` with ``Access-Control-Request-Method``)
 are answered without an API key, and responses carry ``Access-Control-Allow-Origin`` for
 allowed origins. The setting is read on every request, so a reload changes it without a restart.
 """
@@ -24,7 +24,7 @@ from router.service import RouterService
 
 __all__ = ["CORS_PREFIXES", "LOOPBACK_ORIGINS", "Cors"]
 
-CORS_PREFIXES = ("/v1/", "/models", "/upstream/", "/tokenize", "/detokenize", "/ollama")
+CORS_PREFIXES = ("/v1/", "/v2/rerank", "/models", "/upstream/", "/tokenize", "/detokenize", "/ollama")
 #: The origins allowed when ``router.cors_origins`` is unset: pages on this machine, any port.
 LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?"
 #: Response headers a browser script may read.

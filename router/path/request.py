@@ -45,6 +45,7 @@ ENDPOINT_TASKS: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("llm", "vlm"),
     "/v1/embeddings": ("embeddings",),
     "/v1/rerank": ("rerank",),
+    "/v2/rerank": ("rerank",),
     "/v1/audio/speech": ("speech",),
     "/v1/audio/transcriptions": ("transcription",),
     "/v1/audio/translations": ("transcription",),
