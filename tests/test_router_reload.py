@@ -81,6 +81,27 @@ async def test_reload_adds_removes_changes_and_leaves_the_rest_alone(tmp_path: P
         assert [m["id"] for m in (await router.client.get("/v1/models")).json()["data"]] == ["keep", "edit", "new"]
 
 
+async def test_a_new_task_is_stop_first_so_its_requests_never_reach_the_old_process(tmp_path: Path) -> None:
+    """Rolling, the old llm process served until the new one was ready, while the router already checked routes
+    against the new task: an embeddings request reached the llm process (a 404 "this server serves ...", seen in
+    bench/chaosmix.py). Stop-first, it waits for the embeddings process; the stream in flight finishes."""
+    path = write_config(tmp_path, {"shifty": fake_model(fake={"load_s": 1.0, "token_delay_s": 0.05})})
+    async with running_router(path) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("shifty"))).status_code == 200
+        words = "one two three four five six seven " * 2 + "eight"
+        stream = asyncio.create_task(router.client.post("/v1/chat/completions",
+                                                        json=chat("shifty", words, stream=True)))
+        await wait_for(lambda: router.backend("shifty").in_flight, 60, "the stream in flight")
+        rewrite(path, lambda d: d["models"]["shifty"].update(task="embeddings", fake={"load_s": 1.0}))
+        assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["shifty"]
+        embedded = await router.client.post("/v1/embeddings", json={"model": "shifty", "input": ["a b"]})
+        assert embedded.status_code == 200 and len(embedded.json()["data"]) == 1, embedded.text
+        refused = await router.client.post("/v1/chat/completions", json=chat("shifty"))
+        assert refused.status_code == 400 and "embeddings" in refused.json()["error"]["message"]
+        reply = await stream
+        assert reply.status_code == 200 and "eight" in reply.text
+
+
 async def test_router_and_supervisor_changes_apply_without_a_restart(tmp_path: Path) -> None:
     path = write_config(tmp_path, {"echo": fake_model()})
     async with running_router(path) as router:

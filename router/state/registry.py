@@ -163,6 +163,9 @@ class Registry:
     def _change(self, model: Model, spec: ModelSpec) -> None:
         if (spec.max_concurrency, spec.max_queue) != (model.spec.max_concurrency, model.spec.max_queue):
             model.limiter = Limiter(spec.name, spec.max_concurrency, spec.max_queue)
+        # A new task is stop-first: the routes are checked against the new spec from now on, and the old process
+        # (rolling: serving until the new one is ready) would answer the new task's requests with a 404.
+        retasked = spec.task != model.spec.task
         model.spec = spec
         new_backend_spec = backend_spec(spec, self.config.router, self.config.path)
         if new_backend_spec == model.backend.spec:
@@ -171,8 +174,10 @@ class Registry:
             log.info("%s: supervisor settings changed; applied to the running process", spec.name)
             self._spawn(model.backend.update(new_backend_spec), f"update {spec.name}")
         else:
-            log.info("%s changed: restarting (rolling where memory allows, else after its requests finish)", spec.name)
-            self._spawn(self.residency.change(model, new_backend_spec), f"update {spec.name}")
+            how = "after its requests finish (a new task)" if retasked else \
+                "rolling where memory allows, else after its requests finish"
+            log.info("%s changed: restarting (%s)", spec.name, how)
+            self._spawn(self.residency.change(model, new_backend_spec, stop_first=retasked), f"update {spec.name}")
 
     # -- room: which limits a model's start must fit (procman's make_room carries them out) ---------
 

@@ -147,9 +147,10 @@ class Residency:
 
     # -- changes of a loaded model (procman replaces the process: rolling where it may) ----------------
 
-    async def change(self, model: Model, spec: BackendSpec) -> None:
-        """Apply a changed process spec: rolling where the model asks and room allows, else stop-first."""
-        await model.backend.replace(spec, rolling=model.spec.restart == "rolling")
+    async def change(self, model: Model, spec: BackendSpec, stop_first: bool = False) -> None:
+        """Apply a changed process spec: rolling where the model asks, room allows and ``stop_first`` is not set,
+        else stop-first."""
+        await model.backend.replace(spec, rolling=model.spec.restart == "rolling" and not stop_first)
 
     async def restart(self, model: Model) -> None:
         """``POST /api/models/{name}/restart``: rolling where the model asks and room allows, else stop-first."""
