@@ -207,6 +207,23 @@ async def test_a_failing_step_fails_every_request_in_flight_and_later_ones_as_fa
     assert pipeline.steps == 1 and 3 not in pipeline.handles  # never stepped (nor given a request) again
 
 
+async def test_a_step_refusing_a_request_fails_those_in_flight_and_the_pipeline_serves_on(
+    pump: Pump, pipeline: ScriptedPipeline
+) -> None:
+    """The scheduler's refusal of a prompt above ``max_num_batched_tokens`` raises from ``step()`` but leaves the
+    pipeline usable (the real one: test_modelserver_real.py): an ordinary engine error, and the next request is
+    served; the pump does not step again in a loop while idle."""
+    refused = start(pump, pipeline, 1, ScriptedHandle([1, 2]))
+    pipeline.fail_with = RuntimeError("Check failed: prompt of 61 tokens is longer than max number of tokens in batch")
+    pump.start()
+    with pytest.raises(RuntimeError, match="longer than max number of tokens in batch"):
+        await collect(refused)
+    await until(lambda: pump.running == 0)
+    pipeline.fail_with = None
+    assert pipeline.steps == 1  # idle after the refusal: no step until a new request
+    assert await collect(start(pump, pipeline, 2, ScriptedHandle([1, 2]))) == "ab"
+
+
 async def test_an_ignored_request_is_an_engine_error(pump: Pump, pipeline: ScriptedPipeline) -> None:
     stream = start(pump, pipeline, 1, ScriptedHandle([1], ignored=True))
     pump.start()

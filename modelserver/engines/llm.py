@@ -15,7 +15,10 @@ its scheduling phase", and every later step fails with ``Check 'get_num_schedule
 of that process a 500 while its ``/health`` answered 200, until the router was stopped). So
 the pump answers the requests in flight, and every later one, with a
 :class:`~modelserver.errors.FatalEngineError` and never steps again: the process answers
-and exits, and the router replaces it and retries or resumes its requests.
+and exits, and the router replaces it and retries or resumes its requests. The exception is
+the scheduler's refusal of one request (:data:`REQUEST_REFUSALS`: a prompt longer than
+``max_num_batched_tokens`` without dynamic split-fuse), after which the pipeline serves on:
+the requests in flight get it as an ordinary engine error.
 """
 
 from __future__ import annotations
@@ -93,6 +96,10 @@ def pipeline_figures(metrics: Any) -> dict[str, Any]:
             "cache_bytes": int(metrics.cache_size_in_bytes)}
 
 
+#: Step failures that refuse a request and leave the pipeline usable (the next request is served).
+REQUEST_REFUSALS = ("longer than max number of tokens in batch",)
+
+
 class Pump:
     """The one thread that calls the pipeline: ``add_request``, ``step``, ``read``, ``cancel``."""
 
@@ -103,6 +110,7 @@ class Pump:
         self._active: dict[int, Ticket] = {}
         self._stopping = False
         self._failed: FatalEngineError | None = None  # a step raised: the pipeline is never stepped again
+        self._refused = False  # a step refused a request: step again only for a new one, never in a failing loop
         self.completed = 0
         self.cancelled = 0
         self.metrics: Any = None  # the pipeline's PipelineMetrics after the last step (read by /health)
@@ -147,21 +155,26 @@ class Pump:
             try:
                 self._iterate()
             except Exception as exc:  # the pipeline failed: every request in flight fails with it, and any later
-                self._failed = FatalEngineError(
-                    f"engine failed beyond repair: the pipeline's step failed ({one_line(exc)}); "
-                    "a failed step leaves the pipeline unusable, so the process is replaced")
+                if any(refusal in str(exc) for refusal in REQUEST_REFUSALS):
+                    self._refused = True
+                else:
+                    self._failed = FatalEngineError(
+                        f"engine failed beyond repair: the pipeline's step failed ({one_line(exc)}); "
+                        "a failed step leaves the pipeline unusable, so the process is replaced")
                 self._fail_all(exc)
 
     def _iterate(self) -> None:
         self._admit()
         self._drop_cancelled()
-        if not self._active and (self._failed is not None or not self._pipe.has_non_finished_requests()):
+        if not self._active and (self._failed is not None or self._refused
+                                 or not self._pipe.has_non_finished_requests()):
             self.advanced_at = time.monotonic()
             self._wake.wait()
             self._wake.clear()
             self.advanced_at = time.monotonic()
             return
         self._pipe.step()
+        self._refused = False
         self.advanced_at = time.monotonic()
         self.metrics = self._pipe.get_metrics()
         self._publish()
