@@ -8,7 +8,7 @@ CONFIG ?= config.yaml
 DEMO_GGUF := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-matrix chaos soak stress bench bench-deps lint typecheck clean models
+.PHONY: setup serve test test-matrix chaos chaosmix soak stress bench bench-deps lint typecheck clean models
 
 setup: $(VENV)/.installed models  ## venv + project + demo model (idempotent)
 
@@ -40,6 +40,9 @@ test-matrix: setup test-models  ## the real-model tests under f32/bf16 precision
 
 chaos: setup  ## a bounded soak under faults (kill -9, SIGSTOP, markers, config edits); fails on hung/cut/garbled/orphans
 	$(PY) -m bench.chaos $(CHAOS_ARGS)
+
+chaosmix: setup  ## faults in combination (SIGSTOP during an edit, kill -9 mid-roll, unload/remove under streams...): bench/chaosmix.py
+	$(PY) -m bench.chaosmix $(CHAOSMIX_ARGS)
 
 soak: setup  ## SOAK_MINUTES (default 30) of chaos load; fails on RSS/open-file/thread growth past bench/soak.py's bounds
 	$(PY) -m bench.soak $(SOAK_ARGS)

@@ -14,7 +14,7 @@ unload-stream             long streams to a model, then ``POST /api/models/NAME/
 remove-stream             add a model, stream from it, remove it from config.yaml under the streams
 stop-spare                SIGSTOP the spare interpreter(s), then cold-start a model
 invalid-yaml              config.yaml made invalid YAML under load, then good again
-kill-emb                  ``kill -9`` of the embeddings model under embeddings requests
+kill-emb                  ``kill -9`` or SIGSTOP (1-12 s) of the embeddings model under embeddings requests
 stop-unload               SIGSTOP a model's process, then unload it
 edit-unload               change a model's options and unload it at once
 flip                      remove a model under its streams and add it back at once
@@ -202,6 +202,7 @@ class Soak:
         self.state_dir = state_dir
         self.removed: dict[str, float] = {}  # model -> when it last left the config (404s expected meanwhile)
         self.pending: set[asyncio.Task[Any]] = set()
+        self.adding: set[str] = set()  # in config.yaml, not yet in /v1/models: clients leave them alone
         self.episode = "warm-up"  # the episode under way (or the last one), for the failures' report
 
     # ---- load -------------------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class Soak:
     async def client(self, until: float, seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < until:
-            names = [n for n in self.config["models"] if n != "emb"] + ["emb"]
+            names = [n for n in self.config["models"] if n not in self.adding]
             model = rng.choice(names)
             kind = "emb" if self.config["models"].get(model, {}).get("task") == "embeddings" else rng.choice(KINDS)
             await self.send(model, kind)
@@ -348,8 +349,10 @@ class Soak:
     async def remove_stream(self) -> None:
         self.config["models"]["extra"] = fake_model(load_s=0.2, token_delay_s=0.05)
         self.removed.pop("extra", None)
+        self.adding.add("extra")
         await self.write()
         await self.settled_config()
+        self.adding.discard("extra")
         await self.streams("extra", 3, 60)
         self.removed["extra"] = time.monotonic()
         del self.config["models"]["extra"]
@@ -389,10 +392,18 @@ class Soak:
         await self.write()
 
     async def kill_emb(self) -> None:
+        """``kill -9``, or a SIGSTOP long enough (or not) for the hang to be found, of the embeddings model."""
         await self.load("emb")
         tasks = [self.background(self.send("emb", "emb")) for _ in range(4)]
         await asyncio.sleep(0.05)
-        await self.signal(await self.pid("emb"), signal.SIGKILL)
+        pid = await self.pid("emb")
+        if self.rng.random() < 0.5:
+            await self.signal(pid, signal.SIGKILL)
+        else:
+            await self.signal(pid, signal.SIGSTOP)
+            tasks += [self.background(self.send("emb", "emb")) for _ in range(2)]
+            await asyncio.sleep(self.rng.uniform(1.0, 12.0))
+            await self.signal(pid, signal.SIGCONT)
         await asyncio.gather(*tasks)
 
     async def stop_unload(self) -> None:
@@ -517,7 +528,7 @@ class Soak:
             await self.signal(pid, signal.SIGKILL)
         elif action == "stop":
             await self.signal(pid, signal.SIGSTOP)
-            await asyncio.sleep(self.rng.uniform(1.0, 4.0))
+            await asyncio.sleep(self.rng.uniform(1.0, 15.0))  # past the probes' 4-6 s or not
             await self.signal(pid, signal.SIGCONT)
         else:
             await self.post(f"/api/models/{name}/{action}")
@@ -550,9 +561,14 @@ class Soak:
         self.removed.pop("shifty", None)
         kinds = ("emb",) if was == "embeddings" else ("chat-s", "compl")
         tasks = [self.background(self.send("shifty", self.rng.choice(kinds), 30)) for _ in range(3)] if was else []
+        if was is None:
+            self.adding.add("shifty")
         await asyncio.sleep(self.rng.uniform(0.0, 0.5))
         await self.write()
         await asyncio.gather(*tasks)
+        if was is None:
+            await self.settled_config()
+            self.adding.discard("shifty")
 
     EPISODES = ("stop_edit", "kill_roll", "unload_stream", "remove_stream", "flip", "stop_spare", "invalid_yaml",
                 "kill_emb", "stop_unload", "edit_unload", "restart_stop_new", "marker_edit",
@@ -613,10 +629,22 @@ class Soak:
             expected = {"ready": "loaded", "stopped": "unloaded"}.get(state)
             if expected and value != expected:
                 wrong.append(f"{name} {state} but /v1/models says {value}")
-        for pid in await self.spare_pids():
+        spares = await self.spare_pids()
+        for pid in spares:
             with contextlib.suppress(psutil.Error):
                 if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
                     wrong.append(f"spare {pid} listed while stopped")
+        # every process the router has is a READY model's, a listed spare's or the watchdog: anything else is a
+        # replacement under way (a rolling change's new process, an old one draining) or a leak
+        owned = spares | {int(row["pid"]) for row in rows.values() if row.get("pid")}
+        strays = []
+        for kid in await asyncio.to_thread(self.descendants):
+            with contextlib.suppress(psutil.Error):
+                watchdog = any(part.endswith("watchdog.py") for part in kid.cmdline())  # procman's, for a kill -9
+                if kid.pid not in owned and not watchdog and kid.status() != psutil.STATUS_ZOMBIE:
+                    strays.append(f"{kid.pid} {' '.join(kid.cmdline()[2:6])}")
+        if strays:
+            wrong.append(f"processes neither a model's nor a spare: {strays}")
         return wrong
 
 
