@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -100,6 +101,35 @@ async def test_a_new_task_is_stop_first_so_its_requests_never_reach_the_old_proc
         assert refused.status_code == 400 and "embeddings" in refused.json()["error"]["message"]
         reply = await stream
         assert reply.status_code == 200 and "eight" in reply.text
+
+
+async def test_a_restart_after_a_failed_rolling_change_runs_the_config_s_settings(tmp_path: Path) -> None:
+    """A rolling change whose new process is killed leaves the old one serving with the old settings; a restart
+    then ran the old settings again. It runs what config.yaml says (found by bench/chaosmix.py's kill-roll)."""
+    path = write_config(tmp_path, {"roll": fake_model(fake={"load_s": 1.0, "token_delay_s": 0.005})})
+    async with running_router(path) as router:
+        assert (await router.client.post("/v1/chat/completions", json=chat("roll"))).status_code == 200
+        old = router.backend("roll").pid
+        rewrite(path, lambda d: d["models"]["roll"]["fake"].update(token_delay_s=0.001))
+        assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["roll"]
+
+        def new_process() -> list[psutil.Process]:
+            return [p for p in psutil.Process().children(recursive=True)
+                    if p.pid != old and "roll" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE]
+
+        await wait_for(new_process, 60, "the rolling change's new process")
+        for proc in new_process():
+            proc.kill()
+        residency = router.service.registry.residency
+        await wait_for(lambda: residency.rolling_errors.get("roll"), 60, "the rolling change to fail")
+        model = router.service.registry.models["roll"]
+        assert router.backend("roll").pid == old and router.backend("roll").spec != router.service.registry.\
+            process_spec(model)
+        assert (await router.client.post("/api/models/roll/restart")).status_code == 200
+        assert router.backend("roll").pid != old and router.backend("roll").spec == router.service.registry.\
+            process_spec(model)
+        assert residency.rolling_errors.get("roll") is None
+        assert (await router.client.post("/v1/chat/completions", json=chat("roll"))).status_code == 200
 
 
 async def test_router_and_supervisor_changes_apply_without_a_restart(tmp_path: Path) -> None:

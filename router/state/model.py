@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from modelserver.spec import ModelSpec
-from procman import Backend, ProcessManager, Scope
+from procman import Backend, BackendSpec, ProcessManager, Scope
 from router.config import Config
 from router.metrics import Metrics
 from router.state.lane import SuspectLane
@@ -51,3 +51,5 @@ class Fleet(Protocol):
     def models(self) -> Mapping[str, Model]: ...
 
     def scopes(self, name: str) -> list[Scope]: ...
+
+    def process_spec(self, model: Model) -> BackendSpec: ...

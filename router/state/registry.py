@@ -15,6 +15,7 @@ from typing import Any
 from modelserver.spec import ModelSpec
 from procman import (
     LOADED,
+    BackendSpec,
     BackendUnavailable,
     ProcessManager,
     Restarted,
@@ -167,7 +168,7 @@ class Registry:
         # (rolling: serving until the new one is ready) would answer the new task's requests with a 404.
         retasked = spec.task != model.spec.task
         model.spec = spec
-        new_backend_spec = backend_spec(spec, self.config.router, self.config.path)
+        new_backend_spec = self.process_spec(model)
         if new_backend_spec == model.backend.spec:
             return  # router settings only: applied above
         if new_backend_spec.process_view == model.backend.spec.process_view:
@@ -178,6 +179,11 @@ class Registry:
                 "rolling where memory allows, else after its requests finish"
             log.info("%s changed: restarting (%s)", spec.name, how)
             self._spawn(self.residency.change(model, new_backend_spec, stop_first=retasked), f"update {spec.name}")
+
+    def process_spec(self, model: Model) -> BackendSpec:
+        """The process spec the config gives ``model`` now (its backend's may be older: a rolling change whose new
+        process failed leaves the old one serving with the old spec)."""
+        return backend_spec(model.spec, self.config.router, self.config.path)
 
     # -- room: which limits a model's start must fit (procman's make_room carries them out) ---------
 

@@ -153,5 +153,8 @@ class Residency:
         await model.backend.replace(spec, rolling=model.spec.restart == "rolling" and not stop_first)
 
     async def restart(self, model: Model) -> None:
-        """``POST /api/models/{name}/restart``: rolling where the model asks and room allows, else stop-first."""
-        await model.backend.replace(rolling=model.spec.restart == "rolling")
+        """``POST /api/models/{name}/restart``: rolling where the model asks and room allows, else stop-first; with
+        the config's settings (a rolling change whose new process failed left the old ones running)."""
+        spec = self.registry.process_spec(model)
+        pending = spec if spec.process_view != model.backend.spec.process_view else None
+        await model.backend.replace(pending, rolling=model.spec.restart == "rolling")
