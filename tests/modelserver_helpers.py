@@ -104,7 +104,13 @@ class ModelServerProcess:
         raise TimeoutError(f"model server not ready after {timeout_s}s:\n{self.log_text()[-3000:]}")
 
     def wait_exit(self, timeout_s: float = 30.0) -> int:
-        return self.proc.wait(timeout_s)
+        """The exit status; a process still running after ``timeout_s`` fails the test with its log and threads."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            threads = _thread_names(self.proc.pid)
+            raise AssertionError(f"model server still running after {timeout_s}s (threads: {threads}):\n"
+                                 f"{self.log_text()[-3000:]}") from None
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM the process group, SIGKILL after ``timeout_s``; always reaps. Returns the exit status."""
@@ -198,3 +204,12 @@ async def amodelserver(
         yield server
     finally:
         await asyncio.to_thread(server.stop, stop_timeout_s)
+
+
+def _thread_names(pid: int) -> list[str]:
+    """The names of a process's threads (``/proc/PID/task/*/comm``): where a process that should have exited waits."""
+    names = []
+    for comm in Path(f"/proc/{pid}/task").glob("*/comm"):
+        with contextlib.suppress(OSError):
+            names.append(comm.read_text().strip())
+    return sorted(names)
