@@ -84,7 +84,8 @@ class RouterSettings(_Frozen):
         "figures under vLLM's vllm:* names, label model_name, for its Grafana boards)"
     )
     device_failure_threshold: int = Field(
-        3, ge=0, description="fatal errors of this many models on one device within 10 min mark it unhealthy; 0 = off"
+        3, ge=0, description="fatal errors of this many models on one GPU or NPU within 10 min mark it unhealthy "
+        "(never the CPU); 0 = off"
     )
     max_buffered_body_mb: float = Field(
         256, gt=0, description="request bodies held in memory at once, all models together (never below the "

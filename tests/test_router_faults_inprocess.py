@@ -206,6 +206,21 @@ async def test_fatal_errors_in_three_models_on_one_device_mark_it_unhealthy_unti
         assert (await r.post("/v1/chat/completions", chat("d", "hi"))).status == 200
 
 
+async def test_fatal_errors_of_models_on_the_cpu_never_mark_it(tmp_path: Path) -> None:
+    """The CPU has no driver context to wedge: its mark refused every CPU model's start (the fake engine's
+    [[fatal]] markers to three fake models took a whole router down in bench/chaosmix.py)."""
+    async with fake_router(tmp_path, {name: model(retry_on_fatal=False) for name in ("a", "b", "c", "d")}) as r:
+        async def fatal_on_marker(call: Call) -> FakeReply:
+            return fatal_reply() if "[[fatal]]" in call.text else await echo(call)
+
+        r.upstream.handler = fatal_on_marker
+        for name in ("a", "b", "c"):
+            assert (await r.post("/v1/chat/completions", chat(name, "[[fatal]]"))).status == 503
+        await until(r, lambda: all(r.service.registry.models[n].backend.restarts for n in ("a", "b", "c")))
+        assert (await r.post("/v1/chat/completions", chat("d", "hi"))).status == 200
+        assert r.service.devices.health.unhealthy("CPU") is None
+
+
 async def test_a_second_suspect_error_replaces_the_process_and_the_fresh_ones_answer_passes(tmp_path: Path) -> None:
     suspect = {"error": {"message": "clEnqueueWriteBuffer: CL_MEM_OBJECT_ALLOCATION_FAILURE", "type": "server_error",
                          "param": None, "code": "engine_suspect"}}
