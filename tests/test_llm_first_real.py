@@ -142,3 +142,20 @@ async def test_a_burst_at_the_start_is_answered_whole_across_the_switch(engine: 
     assert all(done.completion_tokens == 24 and done.finish_reason == "length" and text for text, done in burst)
     engine._builder.join(120)
     assert engine.stats()["pipeline"] == "continuous_batching"
+
+
+async def test_request_ids_stay_unique_across_the_switch(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each generator counted its own ids from 1, so a request handed over at the switch (or any later one) and a
+    new one to the continuous-batching pipeline could share one, and an id added twice breaks that pipeline for
+    good (std::future_error, then every step fails; bench/chaosmix.py). One count per process."""
+    ids: list[int] = []
+    for pump in (llm.Pump, llm_first.SerialPump, llm_first.DeferredPump):
+        submit = pump.submit
+        monkeypatch.setattr(pump, "submit", lambda self, ticket, submit=submit: (ids.append(ticket.request_id),
+                                                                                  submit(self, ticket))[1])
+    before = await asyncio.gather(*(answer(engine, ask(f"Say {i}.", 2)) for i in range(3)))
+    await asyncio.to_thread(engine._builder.join, 120)
+    assert engine.stats()["pipeline"] == "continuous_batching"
+    after = await asyncio.gather(*(answer(engine, ask(f"Count {i}.", 3)) for i in range(3)))
+    assert all(done.completion_tokens == 2 for _, done in before) and all(d.completion_tokens == 3 for _, d in after)
+    assert len(ids) >= 6 and len(set(ids)) == len(ids), ids

@@ -88,6 +88,14 @@ class Ticket:
     detokenizer: IncrementalDetokenizer = field(kw_only=True)
 
 
+#: The request ids of every generator in this process. A model that starts on the stateful pipeline (llm_first) has
+#: two generators and hands the requests still waiting at the switch to the continuous-batching one: with a count
+#: each, a handed-over request and a new one shared an id, and ``add_request`` with an id in flight breaks the
+#: pipeline for good (``std::future_error: No associated state``, then every step: ``Check
+#: 'get_num_scheduled_tokens() == 0' failed``), found by bench/chaosmix.py 0.6 s after a switch, twice.
+REQUEST_IDS = itertools.count(1)
+
+
 def pipeline_figures(metrics: Any) -> dict[str, Any]:
     """What /health reports of the continuous-batching pipeline (the router relabels it as metrics)."""
     if metrics is None:
@@ -330,7 +338,7 @@ class OpenVINOTextGenerator:
         self._defaults = pipe.get_config()
         self._source = source
         self._load_s = load_s
-        self._ids = itertools.count(1)
+        self._ids = REQUEST_IDS  # one count per process: see REQUEST_IDS
         self.reports_logprobs = True
         self._counter = PromptCounter(self._tokenizer, context, remembered(spec, source.tokenizer_path or source.path))
         self._scheduler = scheduler = scheduler_for(spec, source.original or source.path, context)
