@@ -114,12 +114,17 @@ async def test_a_restart_after_a_failed_rolling_change_runs_the_config_s_setting
         assert (await router.client.post("/api/reload")).json()["diff"]["changed"] == ["roll"]
 
         def new_process() -> list[psutil.Process]:
-            return [p for p in psutil.Process().children(recursive=True)
-                    if p.pid != old and "roll" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE]
+            found = []
+            for proc in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):  # gone, or a zombie another test left to its reaper
+                    if proc.pid != old and "roll" in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE:
+                        found.append(proc)
+            return found
 
         await wait_for(new_process, 60, "the rolling change's new process")
         for proc in new_process():
-            proc.kill()
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         residency = router.service.registry.residency
         await wait_for(lambda: residency.rolling_errors.get("roll"), 60, "the rolling change to fail")
         model = router.service.registry.models["roll"]
