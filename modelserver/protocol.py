@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from modelserver.errors import RequestError, UnsupportedParameter
 from modelserver.ids import random_hex
+from modelserver.surrogates import lone_surrogate
 
 __all__ = [
     "ChatCompletionRequest",
@@ -431,23 +432,11 @@ def parse_request(body: bytes, model: type[Model]) -> Model:
         raise _invalid(exc) from None
 
 
-#: Where a lone UTF-16 surrogate can come from: a ``\\udXXX`` escape, or its bytes (decoded with surrogatepass).
-_SURROGATE_HINT = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
-
-
 def check_characters(body: bytes, data: Any) -> None:
-    """400 when a string of ``data`` holds a lone surrogate (``"\\ud800"``): no text can be encoded with it,
-    so the answer that echoes or tokenizes it would fail half-way. A byte scan first; the strings
-    are only looked at for a body in UTF-16/32 or with a surrogate escape (a valid pair is fine).
-    """
-    utf8 = b"\x00" not in body[:4] and not body.startswith((b"\xfe\xff", b"\xff\xfe"))  # JSON opens with ASCII
-    if utf8 and not _SURROGATE_HINT.search(body):
-        return
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise RequestError(f"the request body holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
-                           "which is not a character; send valid Unicode text") from None
+    """400 when a string of ``data`` holds a lone surrogate (``"\\ud800"``): no text can be encoded with it
+    (:func:`modelserver.surrogates.lone_surrogate`)."""
+    if (message := lone_surrogate(body, data)) is not None:
+        raise RequestError(message)
 
 
 #: A JSON string, escapes included (its brackets are text, not structure).

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("router", "procman", "modelserver")
 CHECKED = ("router", "procman")
 #: What the router may import of modelserver: the settings schema and the model-file helpers, never the server.
-ROUTER_MAY_IMPORT = {"modelserver.spec", "modelserver.modelfiles", "modelserver.modelinfo"}
+ROUTER_MAY_IMPORT = {"modelserver.spec", "modelserver.modelfiles", "modelserver.modelinfo", "modelserver.surrogates"}
 #: The router's sub-packages in import order: each may import those before it, never those after it.
 LAYERS = ("router.edge", "router.state", "router.path", "router.api")
 

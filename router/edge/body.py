@@ -10,7 +10,6 @@ naming the bound, never a ``RecursionError`` or a 500.
 from __future__ import annotations
 
 import json
-import re
 from array import array
 from collections.abc import Iterable
 from itertools import accumulate
@@ -19,6 +18,7 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.types import Receive
 
+from modelserver.surrogates import lone_surrogate
 from router.edge.errors import BadRequest, PayloadTooLarge
 
 __all__ = ["MAX_JSON_DEPTH", "RoutedBody", "check_depth", "check_text", "json_or_none", "model_of", "parse_json",
@@ -137,24 +137,12 @@ def parse_json(body: bytes, hint: str) -> Any:
         raise BadRequest(f"request body holds a number too long to read ({str(exc).split(':')[0]}); {hint}") from None
 
 
-#: Where a lone UTF-16 surrogate can come from: a ``\\udXXX`` escape, or its bytes (``json.loads`` decodes
-#: bytes with surrogatepass).
-_SURROGATE_HINT = re.compile(rb"\\u[dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
-
-
 def check_text(body: bytes, data: Any) -> None:
     """400 when a string of ``data`` (parsed from ``body``) holds a lone UTF-16 surrogate (``"\\ud800"``), for
     a body the router itself re-encodes (the Responses API's): the model server refuses it the same way
-    (``modelserver.protocol.check_characters``), but the router's own encoding failed first, with a 500.
-    A byte scan first; the strings are only looked at for a body with a surrogate escape or not in UTF-8."""
-    utf8 = b"\x00" not in body[:4] and not body.startswith((b"\xfe\xff", b"\xff\xfe"))  # JSON opens with ASCII
-    if utf8 and not _SURROGATE_HINT.search(body):
-        return
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise BadRequest(f"the request body holds a lone UTF-16 surrogate ({exc.object[exc.start:exc.end]!r}), "
-                         "which is not a character; send valid Unicode text") from None
+    (:func:`modelserver.surrogates.lone_surrogate`), but the router's own encoding failed first, with a 500."""
+    if (message := lone_surrogate(body, data)) is not None:
+        raise BadRequest(message)
 
 
 def json_or_none(body: bytes) -> Any:
