@@ -313,12 +313,17 @@ class Soak:
 
     # ---- episodes ---------------------------------------------------------------------------------------------
 
-    async def stop_edit(self) -> None:
+    async def stopped_under_streams(self) -> tuple[str, int | None]:
+        """An editable model loaded, two streams started on it, then its process SIGSTOPped: (name, pid)."""
         name = self.rng.choice(EDITABLE)
         await self.load(name)
         await self.streams(name, 2, 30)
         pid = await self.pid(name)
         await self.signal(pid, signal.SIGSTOP)
+        return name, pid
+
+    async def stop_edit(self) -> None:
+        name, pid = await self.stopped_under_streams()
         self.change(name)
         await self.write()
         await asyncio.sleep(self.rng.uniform(1.0, 5.0))
@@ -407,11 +412,7 @@ class Soak:
         await asyncio.gather(*tasks)
 
     async def stop_unload(self) -> None:
-        name = self.rng.choice(EDITABLE)
-        await self.load(name)
-        await self.streams(name, 2, 30)
-        pid = await self.pid(name)
-        await self.signal(pid, signal.SIGSTOP)
+        name, pid = await self.stopped_under_streams()
         started = time.monotonic()
         await self.post(f"/api/models/{name}/unload")
         log.info("unload of a stopped %s took %.1f s", name, time.monotonic() - started)
